@@ -1,0 +1,217 @@
+"""Settings as dataclasses, one docstring per field; YAML files plus CLI overrides.
+
+A config is a nested dataclass (``Config``). ``load_config(path, overrides)``
+reads a YAML file shaped like ``Config`` (sections ``image``, ``text``,
+``budget``, ``model``, ``train``, ``data``) and then applies ``section.field``
+overrides, so ``--config best.yaml --max-tokens 8192`` means the flag wins.
+Pure module: no ray, no torch.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+@dataclass
+class ImageConfig:
+    patch_size: int = 14
+    """Side of a square vision patch, in pixels."""
+    merge_size: int = 2
+    """Spatial merge: merge_size x merge_size patches become one LM image token."""
+    min_pixels: int = 4 * 28 * 28
+    """Smart resize lower bound on the resized image area (pixels)."""
+    max_pixels: int = 256 * 28 * 28
+    """Smart resize upper bound on the resized image area (pixels); bounds image tokens per image."""
+    max_header_pixels: int = 89_478_485
+    """Refuse (decompression_bomb) any image whose header says more pixels than this. Pillow's own guard stays on."""
+    allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+    """Pillow format names accepted; anything else is skipped as unsupported_format."""
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this (patch_size * merge_size)."""
+        return self.patch_size * self.merge_size
+
+
+@dataclass
+class TextConfig:
+    tokenizer: str = ""
+    """Path to a Hugging Face tokenizer directory; empty = the small BPE tokenizer shipped in the package."""
+    train_on_prompt: bool = False
+    """Also train on user/system tokens (default: only assistant answers are targets)."""
+
+
+@dataclass
+class BudgetConfig:
+    mode: str = "pack"
+    """'pack' (one packed sequence per batch) or 'pad' (rows padded to the longest)."""
+    max_tokens: int = 4096
+    """Token budget per batch: sum of sequence lengths (pack) or rows x longest (pad)."""
+    max_patches: int | None = None
+    """Budget on vision-encoder patches per batch (None = unbounded)."""
+    max_images: int | None = None
+    """Budget on images per batch (None = unbounded)."""
+    max_samples: int | None = None
+    """Budget on samples per batch (None = unbounded)."""
+    attn_weight: float = 0.0
+    """Attention-cost term: cost = sum(tokens) + attn_weight * sum(tokens**2), checked against max_tokens."""
+    algorithm: str = ""
+    """Planner algorithm name (batching registry); empty = the measured default for the mode."""
+    window: int = 2048
+    """Samples planned together; each window is planned on its own so no sample is ever carried and lost."""
+    oversize: str = "truncate"
+    """Samples that fit no batch alone: 'truncate' the text to fit, or 'skip' them with a counted reason."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0
+    """0 = taken from the tokenizer."""
+    d_model: int = 128
+    """Language-model width."""
+    n_layers: int = 2
+    """Language-model decoder layers."""
+    n_heads: int = 4
+    """Language-model attention heads."""
+    vision_d_model: int = 96
+    """Vision-encoder width."""
+    vision_layers: int = 1
+    """Vision-encoder layers."""
+    vision_heads: int = 4
+    """Vision-encoder attention heads."""
+    mlp_ratio: float = 4.0
+    """MLP hidden size over model width."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    attention: str = "auto"
+    """'sdpa' (block mask, works everywhere), 'flex' (PyTorch flex attention), 'flash' (flash-attn varlen), 'auto'."""
+
+
+@dataclass
+class TrainConfig:
+    num_workers: int = 1
+    """Ray Train workers (data-parallel ranks)."""
+    use_gpu: bool = False
+    """Train on GPUs (one per worker)."""
+    cpus_per_worker: float = 1.0
+    """CPUs reserved by each Train worker."""
+    precision: str = "auto"
+    """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp32'."""
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warm-up steps, then cosine decay to 10%."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    grad_clip: float = 1.0
+    """Max gradient norm (0 = off)."""
+    max_steps: int = 60
+    """Optimizer steps to run (0 = run all epochs)."""
+    epochs: int = 1
+    """Passes over the data (the data path is re-planned with the epoch in the seed)."""
+    report_every: int = 5
+    """Report metrics every N optimizer steps."""
+    checkpoint_every: int = 20
+    """Checkpoint every N optimizer steps (0 = only at the end)."""
+    max_failures: int = 2
+    """Worker-group restarts allowed (FailureConfig)."""
+    seed: int = 0
+    """Seed for model init, shuffles and plans."""
+    deterministic: bool = True
+    """Preserve order through Ray Data so batches are identical run to run (replay / resume by position)."""
+    ledger: bool = False
+    """Record, per rank, which sample ids were trained (for exactly-once checks)."""
+    output_dir: str = "runs/demo"
+    """Where summary.json, metrics, checkpoints and reports go."""
+    run_name: str = ""
+    """Run name (re-running with the same name resumes); empty = output_dir's name."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Dataset path (file, folder or glob); empty = generate a demo dataset under output_dir."""
+    format: str = "auto"
+    """'parquet', 'webdataset', 'llava' or 'auto' (guessed from the path)."""
+    image_root: str = ""
+    """LLaVA format: image folder (default: the JSON file's folder)."""
+    image_column: str = "images"
+    """Parquet: column with image structs {bytes, path} (or a list of them)."""
+    text_column: str = "conversations"
+    """Parquet: conversation column (list of {from, value}) or a plain text column."""
+    id_column: str = "id"
+    """Parquet: sample id column (missing = derived from file and row)."""
+    demo_samples: int = 600
+    """Samples generated when no dataset is given."""
+
+
+@dataclass
+class Config:
+    image: ImageConfig = field(default_factory=ImageConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(value: Any, current: Any, name: str) -> Any:
+    if isinstance(current, bool):
+        if isinstance(value, str):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"{name}: expected a boolean, got {value!r}")
+        return bool(value)
+    if isinstance(current, tuple):
+        return tuple(value)
+    if value is None or current is None:
+        if isinstance(value, str) and value.lower() in ("none", "null", ""):
+            return None
+        return int(value) if isinstance(value, str) and value.lstrip("-").isdigit() else value
+    return type(current)(value)
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
+    """Set ``section.field`` keys; unknown keys raise with the valid names."""
+    for key, value in overrides.items():
+        section_name, _, field_name = key.partition(".")
+        section = getattr(cfg, section_name, None)
+        if section is None or not dataclasses.is_dataclass(section):
+            raise KeyError(f"unknown config section {section_name!r} in {key!r}")
+        names = {f.name for f in dataclasses.fields(section)}
+        if field_name not in names:
+            raise KeyError(f"unknown setting {key!r}; {section_name} has {sorted(names)}")
+        setattr(section, field_name, _coerce(value, getattr(section, field_name), key))
+    return cfg
+
+
+def flatten(d: dict[str, Any]) -> dict[str, Any]:
+    return {f"{s}.{k}": v for s, sub in d.items() for k, v in (sub or {}).items()}
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    cfg = Config()
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: expected a mapping of sections")
+        apply_overrides(cfg, flatten(loaded))
+    apply_overrides(cfg, overrides or {})
+    return cfg
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    d = cfg.to_dict()
+    d["image"]["allowed_formats"] = list(d["image"]["allowed_formats"])
+    Path(path).write_text(yaml.safe_dump(d, sort_keys=False))

@@ -1,0 +1,97 @@
+"""Column names, special tokens and the row / batch layouts, in one place.
+
+Every stage of the data path speaks these names::
+
+    read        -> RAW row        (bytes only, nothing decoded)
+    measure     -> MEASURED row   (RAW + token ids + costs + skip_reason)
+    plan        -> PLAN row       (one row per batch: the measured rows of that batch)
+    materialize -> BATCH row      (one row per batch: ready arrays, see batching/collate.py)
+
+Pure module: no ray, no torch.
+"""
+from __future__ import annotations
+
+# ---------------------------------------------------------------- RAW row
+# One row per sample, as produced by every reader (data/sources.py).
+SAMPLE_ID = "sample_id"          # str, unique within a dataset
+CONVERSATIONS = "conversations"  # str: JSON list of {"from": "system"|"human"|"gpt", "value": str}
+IMAGES = "images"                # list<binary>: encoded image files, never decoded at read time
+IMAGE_REFS = "image_refs"        # list<str>: where each image came from (path / tar member), for reports
+READ_ERROR = "read_error"        # str: "" when the record was read fine, else a skip reason (see SKIP_*)
+
+RAW_COLUMNS = (SAMPLE_ID, CONVERSATIONS, IMAGES, IMAGE_REFS, READ_ERROR)
+
+# ----------------------------------------------------------- MEASURED row
+# RAW columns plus (data/measure.py):
+TEXT_IDS = "text_ids"            # list<int32>: token ids, ONE IMAGE_PAD token per image (not yet expanded)
+TEXT_TARGET = "text_target"      # list<uint8>: 1 where that token is a training target (answer tokens)
+GRIDS = "grids"                  # list<list<int32>>: per image (t, h, w) in patches, t == 1
+TEXT_TOKENS = "text_tokens"      # int: len(text_ids) - n_images
+IMAGE_TOKENS = "image_tokens"    # int: sum over images of h * w / merge**2
+PATCHES = "patches"              # int: sum over images of t * h * w (vision-encoder sequence length)
+N_IMAGES = "n_images"            # int
+TOKENS = "tokens"                # int: full LM sequence length = text_tokens + image_tokens
+SKIP_REASON = "skip_reason"      # str: "" if usable, else one of SKIP_*
+
+MEASURED_COLUMNS = RAW_COLUMNS + (
+    TEXT_IDS, TEXT_TARGET, GRIDS, TEXT_TOKENS, IMAGE_TOKENS, PATCHES, N_IMAGES, TOKENS, SKIP_REASON,
+)
+
+# --------------------------------------------------------------- skip reasons
+# A sample that cannot be used is never dropped silently: it carries one of these
+# reasons (optionally "reason: detail") and is counted and reported by id.
+SKIP_MALFORMED_RECORD = "malformed_record"        # JSON / schema of the record is wrong
+SKIP_MISSING_FILE = "missing_file"                # image path does not exist
+SKIP_PATH_OUTSIDE_ROOT = "path_outside_root"      # image path escapes the image folder (never read)
+SKIP_EMPTY_FILE = "empty_file"                    # zero bytes
+SKIP_NOT_AN_IMAGE = "not_an_image"                # Pillow cannot identify it
+SKIP_UNSUPPORTED_FORMAT = "unsupported_format"    # identified, but not an allowed format
+SKIP_DECOMPRESSION_BOMB = "decompression_bomb"    # header pixel count over the limit
+SKIP_CORRUPT_IMAGE = "corrupt_image"              # header fine, pixel data broken / truncated
+SKIP_PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # <image> placeholders != number of images
+SKIP_TEXT_ENCODING = "text_encoding"              # text cannot be encoded (e.g. lone surrogates)
+SKIP_EMPTY_TEXT = "empty_text"                    # nothing to train on (no target tokens)
+SKIP_OVERSIZE = "oversize"                        # cannot fit any batch and policy is "skip"
+SKIP_TOO_MANY_IMAGES = "too_many_images"          # more images than max_images allows
+
+# ---------------------------------------------------------------- PLAN row
+BATCH_ID = "batch_id"            # str: "<window key>/<index in window>", stable across runs in deterministic mode
+BATCH_SAMPLE_IDS = "sample_ids"  # list<str>
+
+# ---------------------------------------------------------------- BATCH row
+# One row per planned batch after materialize. The arrays travel as one binary
+# column (collate.encode_batch / decode_batch) so variable shapes cross Ray Data
+# untouched; the scalar columns are there for stats without decoding.
+BATCH_PAYLOAD = "payload"        # binary: encoded dict of numpy arrays (collate.encode_batch)
+BATCH_REAL_TOKENS = "real_tokens"      # int: non-padding tokens in the batch
+BATCH_PADDED_TOKENS = "padded_tokens"  # int: tokens of compute the batch occupies (budget for pack, rows*longest for pad)
+BATCH_TARGET_TOKENS = "target_tokens"  # int: tokens with a label (loss normalizer)
+BATCH_N_SAMPLES = "n_samples"          # int
+BATCH_SKIPPED = "skipped"              # str: JSON list of [sample_id, reason] dropped while materializing
+
+# ---------------------------------------------------------- special tokens
+# The shipped tokenizer (assets/tokenizer) has these; any other HF tokenizer gets
+# the missing ones added (data/text.py).
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD)
+
+# The placeholder users write in their data (LLaVA convention). It is a data
+# convention, not a token: only in human turns of samples that have images does
+# it mark an image slot; everywhere else it is plain text.
+IMAGE_PLACEHOLDER = "<image>"
+
+IGNORE_INDEX = -100
+
+# ---------------------------------------------------------------- run dir
+# What a training run writes under its output dir (read by jobs/report.py).
+RUN_SUMMARY = "summary.json"     # final figures (see train/loop.py)
+RUN_METRICS = "metrics.jsonl"    # one JSON object per report: step, loss, tokens_per_s, ...
+RUN_BATCHES = "batches.jsonl"    # one JSON object per trained batch: step, rank, real/padded/target tokens, n_samples, budget
+RUN_SKIPPED = "skipped.csv"      # id,reason for every skipped sample
+RUN_LEDGER = "ledger"            # folder: per-rank sample-id ledger files (optional)
