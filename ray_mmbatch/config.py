@@ -149,6 +149,12 @@ class DataConfig:
     """Parquet: sample id column (missing = derived from file and row)."""
     demo_samples: int = 600
     """Samples generated when no dataset is given."""
+    data_resource: str = ""
+    """Custom Ray resource that preprocessing stages require (e.g. 'preprocess' on CPU nodes); empty = anywhere."""
+    preprocess_workers: int = 2
+    """Upper bound of the actor pools for measure and materialize."""
+    measure_batch: int = 64
+    """Rows per measure call (tokenizer batch)."""
 
 
 @dataclass

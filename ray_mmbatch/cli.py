@@ -1,0 +1,76 @@
+"""Command-line flags shared by the jobs: each flag is a config field, and flags override --config.
+
+The help text of each flag is the docstring of the config field it sets, so
+``--help`` and ``config.py`` never disagree.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+from typing import Any
+
+from ray_mmbatch.config import Config, load_config
+
+# flag -> "section.field"
+FLAGS: dict[str, str] = {
+    "--data": "data.path", "--format": "data.format", "--image-root": "data.image_root",
+    "--image-column": "data.image_column", "--text-column": "data.text_column", "--id-column": "data.id_column",
+    "--data-resource": "data.data_resource", "--preprocess-workers": "data.preprocess_workers",
+    "--demo-samples": "data.demo_samples",
+    "--tokenizer": "text.tokenizer",
+    "--mode": "budget.mode", "--max-tokens": "budget.max_tokens", "--max-patches": "budget.max_patches",
+    "--max-images": "budget.max_images", "--max-samples": "budget.max_samples",
+    "--attn-weight": "budget.attn_weight", "--algorithm": "budget.algorithm", "--window": "budget.window",
+    "--oversize": "budget.oversize",
+    "--patch-size": "image.patch_size", "--merge-size": "image.merge_size",
+    "--min-pixels": "image.min_pixels", "--max-pixels": "image.max_pixels",
+    "--d-model": "model.d_model", "--n-layers": "model.n_layers", "--n-heads": "model.n_heads",
+    "--vision-d-model": "model.vision_d_model", "--vision-layers": "model.vision_layers",
+    "--attention": "model.attention",
+    "--num-workers": "train.num_workers", "--use-gpu": "train.use_gpu", "--precision": "train.precision",
+    "--lr": "train.lr", "--grad-accum": "train.grad_accum", "--max-steps": "train.max_steps",
+    "--epochs": "train.epochs", "--report-every": "train.report_every",
+    "--checkpoint-every": "train.checkpoint_every", "--max-failures": "train.max_failures",
+    "--seed": "train.seed", "--deterministic": "train.deterministic", "--ledger": "train.ledger",
+    "--output-dir": "train.output_dir", "--run-name": "train.run_name",
+}
+
+
+def _field_doc(section_cls: type, name: str) -> str:
+    """The docstring written under a dataclass field (config.py's convention)."""
+    src = inspect.getsource(section_cls)
+    tree = ast.parse(src)
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                return str(nxt.value.value)
+    return ""
+
+
+def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    defaults = Config()
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML config (sections image/text/budget/model/"
+                        "train/data); command-line flags override it")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override any config field, e.g. --set model.mlp_ratio=2")
+    for flag, key in FLAGS.items():
+        section, field = key.split(".")
+        if only and section not in only:
+            continue
+        sec = getattr(defaults, section)
+        default = getattr(sec, field)
+        doc = _field_doc(type(sec), field)
+        extra = {"nargs": "?", "const": "true"} if isinstance(default, bool) else {}
+        parser.add_argument(flag, dest=key, default=None, metavar=type(default).__name__.upper() if
+                            default is not None else "VALUE", help=f"{doc} (default: {default!r})", **extra)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k and v is not None}
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key.strip()] = value
+    return load_config(args.config, overrides)
+

@@ -1,0 +1,296 @@
+"""The Ray Data graph: read -> measure -> plan -> materialize, as thin stages over the pure core.
+
+::
+
+    read_raw (readers.py)            RAW rows, bytes only
+      .map_batches(MeasureStage)     + token ids, grids, costs, skip_reason; oversize policy applied
+      .map_batches(plan_window,      one PLAN row per batch; each window of `budget.window` samples is
+                   batch_size=W)     planned on its own (see below)
+      .filter(not yet trained)       resume: batches consumed before the checkpoint are dropped *before*
+                                     any pixel is decoded
+      .map_batches(MaterializeStage, one BATCH row per batch: decode + resize + patchify + collate
+                   batch_size=1)
+
+End of stream: Ray Data gives a map stage no end-of-stream hook, so a buffer carried
+from one window to the next would lose its leftovers when the stream ends. We do not
+carry anything: every window (and the short tail window Ray hands each task at its
+end) is planned completely on its own, so no sample can be lost; the price is some
+fill at window boundaries, which benchmarks/bench_packing.py measures per window size
+(see benchmarks/RESULTS.md).
+
+Skipped samples travel with the data: the skip list of a window rides on the first
+batch of that window (a window with no usable sample emits one empty batch just to
+carry it), and samples that fail to decode ride on their own batch. The train loop
+records them, so every sample read is either trained once or reported once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+from dataclasses import asdict
+from typing import Any, Iterable
+
+import numpy as np
+import ray
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import BudgetConfig, Config, ImageConfig, TextConfig
+
+PLAN = "plan"  # PLAN row column: the measured rows of one batch (internal, never written to disk)
+
+
+def _reason_key(reason: str) -> str:
+    return reason.split(":", 1)[0].strip()
+
+
+def window_seed(seed: int, epoch: int, window_key: str) -> int:
+    """Plan seed of one window: a function of (seed, epoch, window), never of scheduling."""
+    h = hashlib.blake2b(f"{seed}/{epoch}/{window_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+class MeasureStage:
+    """Callable class: loads the tokenizer once per actor, then measures batches of RAW rows."""
+
+    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig | None):
+        from ray_mmbatch.data.text import load_tokenizer
+
+        self.image_cfg, self.text_cfg, self.budget_cfg = image_cfg, text_cfg, budget_cfg
+        self.tok = load_tokenizer(text_cfg.tokenizer)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
+
+        measured = measure_batch(batch, self.image_cfg, self.tok, self.text_cfg)
+        return measured if self.budget_cfg is None else fit_batch_to_budget(measured, self.budget_cfg)
+
+
+def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    n = len(batch[S.SAMPLE_ID])
+    return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+
+
+def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch: int) -> dict[str, list]:
+    """Plan one window of MEASURED rows into PLAN rows (pure; the Ray stage calls this)."""
+    from ray_mmbatch.batching import Budget, plan_batches_arrays
+
+    rows = _rows(batch)
+    window_key = str(rows[0][S.SAMPLE_ID]) if rows else "empty"
+    ok = [r for r in rows if not r[S.SKIP_REASON]]
+    skipped = [[str(r[S.SAMPLE_ID]), str(r[S.SKIP_REASON])] for r in rows if r[S.SKIP_REASON]]
+    groups: list[list[int]] = []
+    if ok:
+        tokens = np.array([int(r[S.TOKENS]) for r in ok], dtype=np.int64)
+        patches = np.array([int(r[S.PATCHES]) for r in ok], dtype=np.int64)
+        images = np.array([int(r[S.N_IMAGES]) for r in ok], dtype=np.int64)
+        groups = plan_batches_arrays(tokens, patches, images, Budget.from_config(budget_cfg),
+                                     seed=window_seed(seed, epoch, window_key), algorithm=budget_cfg.algorithm)
+    if not groups:
+        groups = [[]]  # carries the window's skip list
+    out: dict[str, list] = {S.BATCH_ID: [], S.BATCH_SAMPLE_IDS: [], PLAN: [], S.BATCH_SKIPPED: []}
+    for j, group in enumerate(groups):
+        members = [ok[i] for i in group]
+        out[S.BATCH_ID].append(f"e{epoch}/{window_key}/{j}")
+        out[S.BATCH_SAMPLE_IDS].append([str(r[S.SAMPLE_ID]) for r in members])
+        out[PLAN].append(pickle.dumps([_plain(r) for r in members], protocol=5))
+        out[S.BATCH_SKIPPED].append(json.dumps(skipped if j == 0 else []))
+    return out
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """Numpy scalars/arrays from Ray batches -> plain values materialize can use."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, np.ndarray) and v.dtype == object:
+            v = list(v)
+        out[k] = v
+    return out
+
+
+class MaterializeStage:
+    """Callable: PLAN row -> BATCH row (decode, resize, patchify, expand, collate, encode)."""
+
+    def __init__(self, image_cfg: ImageConfig, budget_cfg: BudgetConfig, pad_id: int):
+        self.image_cfg, self.budget_cfg, self.pad_id = image_cfg, budget_cfg, pad_id
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        out: dict[str, list] = {k: [] for k in (
+            S.BATCH_ID, S.BATCH_SAMPLE_IDS, S.BATCH_PAYLOAD, S.BATCH_REAL_TOKENS, S.BATCH_PADDED_TOKENS,
+            S.BATCH_TARGET_TOKENS, S.BATCH_N_SAMPLES, S.BATCH_SKIPPED)}
+        for i in range(len(batch[S.BATCH_ID])):
+            row = materialize_plan_row(pickle.loads(batch[PLAN][i]), json.loads(batch[S.BATCH_SKIPPED][i]),
+                                       self.image_cfg, self.budget_cfg, self.pad_id)
+            row[S.BATCH_ID] = str(batch[S.BATCH_ID][i])
+            for k in out:
+                out[k].append(row[k])
+        return out
+
+
+def materialize_plan_row(members: list[dict], skipped: list, image_cfg: ImageConfig,
+                         budget_cfg: BudgetConfig, pad_id: int) -> dict[str, Any]:
+    """Pure: the measured rows of one planned batch -> the fields of a BATCH row."""
+    from ray_mmbatch.batching.collate import collate_pack, collate_pad, encode_batch
+    from ray_mmbatch.data.image import ImageSkip
+    from ray_mmbatch.data.measure import materialize_sample
+
+    samples = []
+    skipped = list(skipped)
+    for r in members:
+        try:
+            samples.append(materialize_sample(r, image_cfg))
+        except ImageSkip as e:
+            skipped.append([str(r[S.SAMPLE_ID]), f"{e.reason}: {e}"])
+    if samples:
+        collate = collate_pack if budget_cfg.mode == "pack" else collate_pad
+        b = collate(samples, pad_id)
+        real = int(b["real_tokens"])
+        padded = budget_cfg.max_tokens if budget_cfg.mode == "pack" else int(np.prod(b["input_ids"].shape))
+        payload, target = encode_batch(b), int(b["target_tokens"])
+    else:
+        real = padded = target = 0
+        payload = b""
+    return {
+        S.BATCH_SAMPLE_IDS: [s["sample_id"] for s in samples],
+        S.BATCH_PAYLOAD: payload,
+        S.BATCH_REAL_TOKENS: real,
+        S.BATCH_PADDED_TOKENS: padded,
+        S.BATCH_TARGET_TOKENS: target,
+        S.BATCH_N_SAMPLES: len(samples),
+        S.BATCH_SKIPPED: json.dumps(skipped),
+    }
+
+
+def _stage_args(cfg: Config) -> dict[str, Any]:
+    """Resources for CPU preprocessing stages (cluster: a custom resource pins them to CPU nodes)."""
+    if cfg.data.data_resource:
+        return {"resources": {cfg.data.data_resource: 0.001}}
+    return {}
+
+
+def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True):
+    """read -> measure (-> oversize policy). One MEASURED row per sample read."""
+    from ray_mmbatch.readers import read_raw
+
+    ds = read_raw(cfg.data.path, cfg.data)
+    if cfg.train.seed is not None and epoch > 0:
+        ds = ds.randomize_block_order(seed=cfg.train.seed + epoch)
+    return ds.map_batches(
+        MeasureStage, batch_size=cfg.data.measure_batch, batch_format="numpy",
+        fn_constructor_args=(cfg.image, cfg.text, cfg.budget if apply_budget else None),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
+        **_stage_args(cfg),
+    )
+
+
+def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epochs: int | None = None):
+    """The whole data path for training: one BATCH row per planned batch, epochs concatenated.
+
+    ``consumed`` holds batch ids already trained (resume): they are filtered out
+    after planning and before decoding, so resuming costs no image decoding.
+    """
+    consumed = frozenset(consumed)
+    datasets = []
+    for epoch in range(cfg.train.epochs if epochs is None else epochs):
+        plans = measured_dataset(cfg, epoch).map_batches(
+            plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
+            fn_args=(cfg.budget, cfg.train.seed, epoch), **_stage_args(cfg))
+        if consumed:
+            plans = plans.filter(lambda r, c=consumed: r[S.BATCH_ID] not in c)
+        datasets.append(plans.map_batches(
+            MaterializeStage, batch_size=1, batch_format="numpy",
+            fn_constructor_args=(cfg.image, cfg.budget, pad_id),
+            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
+            **_stage_args(cfg)))
+    ds = datasets[0]
+    for other in datasets[1:]:
+        ds = ds.union(other)
+    return ds
+
+
+def set_deterministic(deterministic: bool) -> None:
+    """Deterministic mode: preserve order so windows, plans and batch ids repeat run to run."""
+    ctx = ray.data.DataContext.get_current()
+    ctx.execution_options.preserve_order = bool(deterministic)
+
+
+def budget_dict(cfg: BudgetConfig) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+
+class InspectStage:
+    """Per-sample materialize for the data check: keep the counts, drop the pixels."""
+
+    def __init__(self, image_cfg: ImageConfig):
+        self.image_cfg = image_cfg
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        from ray_mmbatch.data.image import ImageSkip
+        from ray_mmbatch.data.measure import materialize_sample
+
+        rows = _rows(batch)
+        reasons, mismatch, nbytes = [], [], []
+        for r in rows:
+            reason, bad = str(r[S.SKIP_REASON]), False
+            nbytes.append(sum(len(b) for b in r[S.IMAGES]) if r[S.IMAGES] is not None else 0)
+            if not reason:
+                try:
+                    m = materialize_sample(_plain(r), self.image_cfg)
+                    bad = len(m["input_ids"]) != int(r[S.TOKENS]) or len(m["patches"]) != int(r[S.PATCHES])
+                except ImageSkip as e:
+                    reason = f"{e.reason}: {e}"
+            reasons.append(reason)
+            mismatch.append(bad)
+        return {S.SAMPLE_ID: [str(r[S.SAMPLE_ID]) for r in rows], S.SKIP_REASON: reasons,
+                S.TOKENS: batch[S.TOKENS], S.TEXT_TOKENS: batch[S.TEXT_TOKENS],
+                S.IMAGE_TOKENS: batch[S.IMAGE_TOKENS], S.PATCHES: batch[S.PATCHES],
+                S.N_IMAGES: batch[S.N_IMAGES], "image_bytes": nbytes, "length_mismatch": mismatch}
+
+
+def _percentiles(x: np.ndarray) -> dict[str, float]:
+    if len(x) == 0:
+        return {}
+    q = np.percentile(x, [0, 10, 50, 90, 99, 100])
+    return {"min": float(q[0]), "p10": float(q[1]), "p50": float(q[2]), "p90": float(q[3]),
+            "p99": float(q[4]), "max": float(q[5]), "mean": float(x.mean()), "sum": float(x.sum())}
+
+
+def inspect_dataset(cfg: Config) -> dict[str, Any]:
+    """read -> measure -> materialize every sample; a JSON-able summary for choosing budgets."""
+    import time
+
+    t0 = time.perf_counter()
+    ds = measured_dataset(cfg, apply_budget=False).map_batches(
+        InspectStage, batch_size=32, batch_format="numpy", fn_constructor_args=(cfg.image,),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
+        **_stage_args(cfg))
+    cols: dict[str, list] = {}
+    for b in ds.iter_batches(batch_size=4096, batch_format="numpy"):
+        for k, v in b.items():
+            cols.setdefault(k, []).extend(v.tolist())
+    wall = time.perf_counter() - t0
+    reasons = np.array(cols.get(S.SKIP_REASON, []), dtype=object)
+    ok = np.array([not r for r in reasons], dtype=bool)
+    skipped: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+    for sid, r in zip(cols.get(S.SAMPLE_ID, []), reasons):
+        if r:
+            key = _reason_key(r)
+            skipped[key] = skipped.get(key, 0) + 1
+            if len(examples.setdefault(key, [])) < 5:
+                examples[key].append(sid)
+    arr = {k: np.asarray(cols.get(k, []), dtype=np.int64)[ok] for k in
+           (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES)}
+    nbytes = float(np.sum(cols.get("image_bytes", [0])))
+    n = len(reasons)
+    return {
+        "samples_read": n, "samples_ok": int(ok.sum()), "samples_skipped": int(n - ok.sum()),
+        "skipped": skipped, "skipped_examples": examples,
+        "length_mismatch": int(np.sum(cols.get("length_mismatch", [0]))),
+        "tokens": _percentiles(arr[S.TOKENS]), "text_tokens": _percentiles(arr[S.TEXT_TOKENS]),
+        "image_tokens": _percentiles(arr[S.IMAGE_TOKENS]), "patches": _percentiles(arr[S.PATCHES]),
+        "images_per_sample": {str(k): int(v) for k, v in zip(*np.unique(arr[S.N_IMAGES], return_counts=True))},
+        "wall_s": wall, "samples_per_s": n / wall if wall else 0.0,
+        "image_mb_per_s": nbytes / 2**20 / wall if wall else 0.0,
+    }

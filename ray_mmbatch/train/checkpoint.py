@@ -1,0 +1,85 @@
+"""Checkpoint contents and the data position, written so a crash mid-save never hurts.
+
+A checkpoint directory holds ``model.pt``, ``optim.pt`` (optimizer + scheduler)
+and ``state.json`` (step, counters, and the data position). The data position
+is the set of batch ids already trained: batch ids are stable in deterministic
+mode (``e{epoch}/{first sample of window}/{j}``), so a resumed run drops exactly
+those batches before decoding and trains every other one, on whatever rank.
+
+Every file is written to a temporary name and renamed, ``state.json`` last: a
+directory without ``state.json`` is not a checkpoint, so a save that dies half
+way leaves the previous checkpoint the newest usable one. Pure torch, no Ray.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATE = "state.json"
+LATEST = "latest_checkpoint.json"  # in the output dir: where the newest complete checkpoint lives
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer, scheduler,
+                    state: dict[str, Any]) -> Path:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(model.state_dict(), d / "model.pt")
+    _atomic_torch_save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, d / "optim.pt")
+    _atomic_write_bytes(d / STATE, json.dumps(state).encode())
+    return d
+
+
+def is_complete(directory: str | Path) -> bool:
+    d = Path(directory)
+    return all((d / f).is_file() for f in ("model.pt", "optim.pt", STATE))
+
+
+def load_state(directory: str | Path) -> dict[str, Any]:
+    return json.loads((Path(directory) / STATE).read_text())
+
+
+def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
+    d = Path(directory)
+    if not is_complete(d):
+        raise FileNotFoundError(f"{d} is not a complete checkpoint (model.pt, optim.pt, {STATE})")
+    model.load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))
+    if optimizer is not None:
+        opt = torch.load(d / "optim.pt", map_location="cpu", weights_only=False)
+        optimizer.load_state_dict(opt["optimizer"])
+        if scheduler is not None:
+            scheduler.load_state_dict(opt["scheduler"])
+    return load_state(d)
+
+
+def write_latest(output_dir: str | Path, checkpoint_path: str, state: dict[str, Any]) -> None:
+    """Point at the newest complete checkpoint, with its data position (read by the dataset builder)."""
+    rec = {"path": checkpoint_path, "step": state.get("step", 0), "consumed": state.get("consumed", [])}
+    _atomic_write_bytes(Path(output_dir) / LATEST, json.dumps(rec).encode())
+
+
+def read_latest_consumed(output_dir: str | Path) -> list[str]:
+    """Batch ids trained as of the newest pointer; [] when there is none or it is unreadable."""
+    p = Path(output_dir) / LATEST
+    try:
+        return list(json.loads(p.read_text()).get("consumed", []))
+    except (OSError, ValueError):
+        return []

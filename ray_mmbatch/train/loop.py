@@ -1,0 +1,275 @@
+"""The per-worker train function (Ray Train V2) and the runner it calls.
+
+Every rank iterates its shard one BATCH row at a time (one row = one planned
+batch). Shards are split without dropping rows (see trainer.LosslessDataConfig),
+so ranks can receive different numbers of batches; to keep DDP in lockstep each
+optimizer step first agrees, by an all-reduce, whether any rank still has data,
+and a rank that ran dry steps on a zero-target copy of its last batch (no loss,
+no gradient, but it joins the gradient all-reduce). No batch is dropped to make
+the counts equal, and every rank makes the same number of ``ray.train.report``
+calls (a barrier).
+
+Resume: a checkpoint stores the set of trained batch ids (all ranks, gathered);
+the dataset is rebuilt without them (before decoding) and the loop also skips
+any that still arrive, so after a restore no sample is trained twice or missed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import Config, apply_overrides, flatten
+from ray_mmbatch.train import checkpoint as ckpt
+
+
+def _peak_mem_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _dist_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce(values: list[float], op=None) -> list[float]:
+    if not _dist_ready():
+        return values
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def all_gather_lists(items: list[str]) -> list[str]:
+    if not _dist_ready():
+        return list(items)
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, list(items))
+    return [x for part in out for x in part]
+
+
+def zero_target(batch: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a batch that contributes no loss and no gradient (for a rank that ran dry)."""
+    b = dict(batch)
+    b["labels"] = np.full_like(batch["labels"], S.IGNORE_INDEX)
+    b["target_tokens"] = 0
+    b["_dummy"] = True
+    return b
+
+
+class RunFiles:
+    """Per-rank append-only logs in the output dir, trimmed back to the checkpoint on restore."""
+
+    def __init__(self, output_dir: str, rank: int, ledger: bool):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.paths = {"batches": self.dir / f"batches.rank{rank}.jsonl",
+                      "skipped": self.dir / f"skipped.rank{rank}.jsonl"}
+        if rank == 0:
+            self.paths["metrics"] = self.dir / S.RUN_METRICS
+        if ledger:
+            (self.dir / S.RUN_LEDGER).mkdir(exist_ok=True)
+            self.paths["ledger"] = self.dir / S.RUN_LEDGER / f"rank{rank}.jsonl"
+
+    def trim(self, step: int) -> None:
+        """Drop records of steps after ``step`` (they were undone by the restore)."""
+        for name, p in self.paths.items():
+            if name == "skipped" or not p.exists():
+                continue
+            keep = [ln for ln in p.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
+            p.write_text("".join(k + "\n" for k in keep))
+        if step == 0:
+            for p in self.paths.values():
+                p.unlink(missing_ok=True)
+
+    def append(self, name: str, rec: dict[str, Any]) -> None:
+        if name in self.paths:
+            with open(self.paths[name], "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+class Runner:
+    """Owns the step loop: fetch micro-batches, agree on data, step, log, report, checkpoint."""
+
+    def __init__(self, cfg: Config, model, optimizer, scheduler, device, shard, rank: int, world: int,
+                 state: dict[str, Any] | None = None):
+        from ray_mmbatch.train.step import optimizer_step
+
+        self.cfg, self.model, self.opt, self.sched = cfg, model, optimizer, scheduler
+        self.device, self.shard, self.rank, self.world = device, shard, rank, world
+        self._optimizer_step = optimizer_step
+        st = state or {}
+        self.step = int(st.get("step", 0))
+        self.consumed: set[str] = set(st.get("consumed", []))
+        self.new_consumed: list[str] = []
+        self.totals = dict(st.get("totals", {"samples": 0, "real_tokens": 0, "padded_tokens": 0,
+                                             "target_tokens": 0, "train_s": 0.0}))
+        self.initial_loss = st.get("initial_loss")
+        self.files = RunFiles(cfg.train.output_dir, rank, cfg.train.ledger)
+        self.files.trim(self.step)
+        self.last_batch: dict[str, Any] | None = None
+        self.window: dict[str, float] = {}
+
+    # -- data ----------------------------------------------------------------
+    def _rows(self) -> Iterator[dict[str, Any]]:
+        for row in self.shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2):
+            yield {k: v[0] for k, v in row.items()}
+
+    def _take(self, rows: Iterator[dict[str, Any]]) -> list[dict[str, Any]]:
+        from ray_mmbatch.batching.collate import decode_batch
+
+        micro: list[dict[str, Any]] = []
+        while len(micro) < self.cfg.train.grad_accum:
+            row = next(rows, None)
+            if row is None:
+                break
+            bid = str(row[S.BATCH_ID])
+            if bid in self.consumed:
+                continue  # trained before the restore
+            for sid, reason in json.loads(str(row[S.BATCH_SKIPPED])):
+                self.files.append("skipped", {"sample_id": sid, "reason": reason})
+            if int(row[S.BATCH_N_SAMPLES]) == 0:
+                self.consumed.add(bid)
+                self.new_consumed.append(bid)
+                continue
+            batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
+            batch["_batch_id"] = bid
+            batch["_padded_tokens"] = int(row[S.BATCH_PADDED_TOKENS])
+            micro.append(batch)
+        return micro
+
+    # -- loop ----------------------------------------------------------------
+    def run(self) -> None:
+        tcfg = self.cfg.train
+        rows = self._rows()
+        last_report = time.perf_counter()
+        while not (tcfg.max_steps and self.step >= tcfg.max_steps):
+            t0 = time.perf_counter()
+            micro = self._take(rows)
+            t_data = time.perf_counter() - t0
+            (any_data,) = all_reduce([float(bool(micro))], dist.ReduceOp.MAX if _dist_ready() else None)
+            if not any_data:
+                break
+            if micro:
+                self.last_batch = micro[-1]
+            elif self.last_batch is not None:
+                micro = [zero_target(self.last_batch)]
+            else:
+                raise RuntimeError(f"rank {self.rank} received no batch at all; use fewer workers or more data")
+            out = self._optimizer_step(self.model, micro, self.opt, self.sched, tcfg, self.device)
+            self.step += 1
+            self._account(micro, out, t_data, time.perf_counter() - t0)
+            if self.step % tcfg.report_every == 0 and not (tcfg.max_steps and self.step >= tcfg.max_steps):
+                ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
+                self.report(time.perf_counter() - last_report, checkpoint=ck)
+                last_report = time.perf_counter()
+        self.report(time.perf_counter() - last_report, checkpoint=True, final=True)
+
+    def _account(self, micro, out: dict[str, float], t_data: float, t_step: float) -> None:
+        dummy = any(b.get("_dummy") for b in micro)
+        real = 0 if dummy else sum(int(b["real_tokens"]) for b in micro)
+        padded = 0 if dummy else sum(int(b["_padded_tokens"]) for b in micro)
+        n = 0 if dummy else sum(len(b["sample_ids"]) for b in micro)
+        for b in [] if dummy else micro:
+            self.consumed.add(b["_batch_id"])
+            self.new_consumed.append(b["_batch_id"])
+            self.files.append("batches", {
+                "step": self.step, "rank": self.rank, "batch_id": b["_batch_id"],
+                "real_tokens": int(b["real_tokens"]), "padded_tokens": int(b["_padded_tokens"]),
+                "target_tokens": int(b["target_tokens"]), "n_samples": len(b["sample_ids"]),
+                "n_images": int(len(b["image_grid_thw"])), "patches": int(len(b["patches"])),
+                "budget_tokens": int(self.cfg.budget.max_tokens)})
+            self.files.append("ledger", {"step": self.step, "batch_id": b["_batch_id"],
+                                         "sample_ids": [str(s) for s in b["sample_ids"]]})
+        w = self.window
+        for k, v in (("real", real), ("padded", padded), ("samples", n), ("data_s", t_data),
+                     ("step_s", t_step), ("loss_sum", out["loss"]), ("steps", 1)):
+            w[k] = w.get(k, 0.0) + v
+        if self.initial_loss is None:
+            self.initial_loss = float(out["loss"])
+        self.last_loss = float(out["loss"])
+
+    def report(self, elapsed: float, checkpoint: bool, final: bool = False) -> None:
+        import ray.train
+
+        w, self.window = self.window, {}
+        keys = ("real", "padded", "samples", "data_s", "step_s", "steps")
+        g = dict(zip(keys, all_reduce([w.get(k, 0.0) for k in keys])))
+        (loss_mean,) = all_reduce([w.get("loss_sum", 0.0) / max(w.get("steps", 1.0), 1.0)])
+        loss_mean /= self.world
+        t = self.totals
+        t["samples"] += int(g["samples"])
+        t["real_tokens"] += int(g["real"])
+        t["padded_tokens"] += int(g["padded"])
+        t["train_s"] += elapsed
+        metrics = {
+            "step": self.step, "loss": loss_mean if g["steps"] else float("nan"),
+            "lr": float(self.sched.get_last_lr()[0]),
+            "tokens_per_s": g["real"] / max(elapsed, 1e-9),
+            "padded_tokens_per_s": g["padded"] / max(elapsed, 1e-9),
+            "samples_per_s": g["samples"] / max(elapsed, 1e-9),
+            "fill": g["real"] / g["padded"] if g["padded"] else 0.0,
+            "step_time_s": g["step_s"] / max(g["steps"], 1.0),
+            "data_wait_frac": g["data_s"] / max(g["step_s"], 1e-9),
+            "peak_mem_mb": all_reduce([_peak_mem_mb(self.device)], dist.ReduceOp.MAX if _dist_ready() else None)[0],
+            "initial_loss": self.initial_loss, "final": final,
+            **{f"total_{k}": v for k, v in t.items()},
+        }
+        if g["steps"]:
+            self.files.append("metrics", metrics)
+        consumed = all_gather_lists(self.new_consumed)
+        self.new_consumed = []
+        self.consumed.update(consumed)
+        if not checkpoint:
+            ray.train.report(metrics)
+            return
+        state = {"step": self.step, "consumed": sorted(self.consumed), "totals": t,
+                 "initial_loss": self.initial_loss}
+        with tempfile.TemporaryDirectory() as tmp:
+            ray_ckpt = None
+            if self.rank == 0:
+                model = getattr(self.model, "module", self.model)
+                ckpt.save_checkpoint(tmp, model, self.opt, self.sched, state)
+                ray_ckpt = ray.train.Checkpoint.from_directory(tmp)
+            ray.train.report(metrics, checkpoint=ray_ckpt)
+        if self.rank == 0:
+            latest = ray.train.get_checkpoint()
+            ckpt.write_latest(self.cfg.train.output_dir, latest.path if latest else "", state)
+
+
+def train_loop_per_worker(config: dict[str, Any]) -> None:
+    """Thin: build config, model, optimizer, restore, and hand over to Runner."""
+    import ray.train
+    import ray.train.torch
+
+    from ray_mmbatch.model import build_model
+    from ray_mmbatch.train.step import build_optimizer
+
+    cfg = apply_overrides(Config(), flatten(config["cfg"]))
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.manual_seed(cfg.train.seed)
+    device = ray.train.torch.get_device()
+    model = build_model(cfg.model, cfg.image, vocab_size=config["vocab_size"],
+                        image_token_id=config["image_token_id"], pad_id=config["pad_id"])
+    total = cfg.train.max_steps or config.get("estimated_steps", 1000)
+    optimizer, scheduler = build_optimizer(model, cfg.train, total)
+    state = None
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            state = ckpt.load_checkpoint(d, model, optimizer, scheduler)
+    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
+    Runner(cfg, model, optimizer, scheduler, device, ray.train.get_dataset_shard("train"),
+           rank, world, state).run()

@@ -1,0 +1,157 @@
+"""Driver side of a training run: connect to Ray, build the TorchTrainer, write summary.json.
+
+``run_training(cfg)`` is what ``jobs/train.py`` and the Tune trials call.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.train import DataConfig
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import Config
+from ray_mmbatch.train import checkpoint as ckpt
+
+
+class LosslessDataConfig(DataConfig):
+    """Split the batch stream across workers without dropping rows.
+
+    Ray Train's default ``streaming_split(equal=True)`` drops up to world_size-1
+    rows to make shards equal; one row is a whole planned batch here, so that
+    would silently lose samples. The train loop keeps ranks in lockstep itself.
+    """
+
+    def configure(self, datasets, world_size, worker_handles, worker_node_ids, **kwargs):
+        output = [{} for _ in range(world_size)]
+        hints = worker_node_ids if self._enable_shard_locality else None
+        for name, ds in datasets.items():
+            if ds.name is None:
+                ds.set_name(name)
+            ds = ds.copy(ds)
+            ds.context.execution_options = self._resolve_execution_options(name)
+            for i, split in enumerate(ds.streaming_split(world_size, equal=False, locality_hints=hints)):
+                output[i][name] = split
+        return output
+
+
+def connect(num_cpus: int | None = None) -> None:
+    """Use a running cluster (RAY_ADDRESS, or one started with ``ray start``), else start one here."""
+    if ray.is_initialized():
+        return
+    kw = dict(log_to_driver=True, configure_logging=False)
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(**kw)
+        return
+    try:
+        ray.init(address="auto", **kw)
+    except (ConnectionError, RuntimeError, ValueError):
+        ray.init("local", num_cpus=num_cpus, include_dashboard=False, **kw)
+
+
+def tokenizer_ids(cfg: Config) -> dict[str, int]:
+    from ray_mmbatch.data.text import load_tokenizer
+
+    tok = load_tokenizer(cfg.text.tokenizer)
+    return {"vocab_size": len(tok), "image_token_id": tok.convert_tokens_to_ids(S.IMAGE_PAD),
+            "pad_id": tok.convert_tokens_to_ids(S.PAD_TOKEN)}
+
+
+def _merge_rank_files(out: Path) -> dict[str, int]:
+    """batches.rank*.jsonl -> batches.jsonl; skipped.rank*.jsonl -> skipped.csv (deduplicated by id)."""
+    lines = []
+    for p in sorted(out.glob("batches.rank*.jsonl")):
+        lines += [json.loads(ln) for ln in p.read_text().splitlines() if ln]
+    lines.sort(key=lambda r: (r["step"], r["rank"]))
+    (out / S.RUN_BATCHES).write_text("".join(json.dumps(r) + "\n" for r in lines))
+    skipped: dict[str, str] = {}
+    for p in sorted(out.glob("skipped.rank*.jsonl")):
+        for ln in p.read_text().splitlines():
+            if ln:
+                r = json.loads(ln)
+                skipped[r["sample_id"]] = r["reason"]
+    counts: dict[str, int] = {}
+    with open(out / S.RUN_SKIPPED, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["sample_id", "reason", "detail"])
+        for sid in sorted(skipped):
+            reason, _, detail = skipped[sid].partition(":")
+            w.writerow([sid, reason.strip(), detail.strip()])
+            counts[reason.strip()] = counts.get(reason.strip(), 0) + 1
+    return counts
+
+
+def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.train.loop import train_loop_per_worker
+
+    out = Path(cfg.train.output_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.train.output_dir = str(out)
+    ids = tokenizer_ids(cfg)
+    set_deterministic(cfg.train.deterministic)
+
+    def dataset_fn():
+        # Called at every worker-group start: a restart rebuilds the stream without
+        # the batches the newest checkpoint already trained.
+        return batch_dataset(cfg, ids["pad_id"], consumed=ckpt.read_latest_consumed(out))
+
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"cfg": cfg.to_dict(), **ids},
+        scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
+                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
+        run_config=RunConfig(
+            name=run_name or cfg.train.run_name or out.name, storage_path=str(out / "ray_storage"),
+            failure_config=FailureConfig(max_failures=cfg.train.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            callbacks=callbacks or None,
+        ),
+        datasets={"train": dataset_fn},
+        dataset_config=LosslessDataConfig(),
+    )
+
+
+def run_training(cfg: Config) -> dict[str, Any]:
+    """Train; return and write OUTPUT_DIR/summary.json."""
+    t0 = time.time()
+    connect(num_cpus=max(os.cpu_count() or 2, int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 3))
+    result = build_trainer(cfg).fit()
+    out = Path(cfg.train.output_dir)
+    skipped = _merge_rank_files(out)
+    m = result.metrics or {}
+    summary = {
+        "steps": int(m.get("step", 0)),
+        "samples": int(m.get("total_samples", 0)),
+        "real_tokens": int(m.get("total_real_tokens", 0)),
+        "padded_tokens": int(m.get("total_padded_tokens", 0)),
+        "fill": (m.get("total_real_tokens", 0) / m["total_padded_tokens"]) if m.get("total_padded_tokens") else 0.0,
+        "tokens_per_s": m.get("total_real_tokens", 0) / max(m.get("total_train_s", 0.0), 1e-9),
+        "initial_loss": m.get("initial_loss"),
+        "final_loss": _final_loss(out),
+        "skipped": skipped,
+        "skipped_total": sum(skipped.values()),
+        "wall_s": time.time() - t0,
+        "budget": cfg.to_dict()["budget"],
+        "config": cfg.to_dict(),
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+    }
+    (out / S.RUN_SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+def _final_loss(out: Path) -> float | None:
+    p = out / S.RUN_METRICS
+    if not p.exists():
+        return None
+    losses = [json.loads(ln)["loss"] for ln in p.read_text().splitlines() if ln]
+    return losses[-1] if losses else None

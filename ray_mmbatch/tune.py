@@ -1,0 +1,126 @@
+"""Ray Tune search over batch budgets: the fastest real tokens/s under a memory limit.
+
+Each trial is a short training run (warm-up steps, then measured steps) of the
+real model on the real data path. Train V2 pattern: the Tune function builds a
+``TorchTrainer`` and runs it, with ``TuneReportCallback`` forwarding the
+workers' reports (``Tuner(trainer)`` is deprecated in this Ray and fails).
+
+A trial that runs out of memory, fails, or passes the memory limit is recorded
+as infeasible with its figures; it never takes the sweep down. Memory is the
+peak GPU memory on GPU and the peak resident memory of a train worker process
+on CPU (what an OOM killer would look at).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from ray_mmbatch.config import Config, apply_overrides, save_config
+
+# The settings searched by default; every key is a config field.
+DEFAULT_SPACE: dict[str, list[Any]] = {
+    "budget.max_tokens": [2048, 4096, 8192],
+    "budget.mode": ["pack"],
+}
+
+
+def _trial_metrics(out_dir: Path, warmup_steps: int) -> dict[str, float]:
+    """Throughput over the steps after warm-up, from the cumulative totals in metrics.jsonl."""
+    rows = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln]
+    if not rows:
+        return {}
+    start = max((r for r in rows if r["step"] <= warmup_steps), key=lambda r: r["step"], default=None)
+    end = rows[-1]
+    t0, s0 = (start["total_real_tokens"], start["total_train_s"]) if start and start is not end else (0, 0.0)
+    secs = end["total_train_s"] - s0
+    return {
+        "tokens_per_s": (end["total_real_tokens"] - t0) / secs if secs > 0 else 0.0,
+        "fill": end["total_real_tokens"] / end["total_padded_tokens"] if end["total_padded_tokens"] else 0.0,
+        "peak_mem_mb": max(r["peak_mem_mb"] for r in rows),
+        "final_loss": end["loss"],
+    }
+
+
+def run_trial(params: dict[str, Any]) -> None:
+    """The Tune function: one short training run with these budget settings."""
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from ray_mmbatch.train.trainer import build_trainer
+
+    base = params["base"]
+    cfg = apply_overrides(Config(), {f"{s}.{k}": v for s, sub in base.items() for k, v in sub.items()})
+    setting = {k: v for k, v in params.items() if "." in k}
+    apply_overrides(cfg, setting)
+    name = "trial-" + "-".join(f"{k.split('.')[-1]}={v}" for k, v in sorted(setting.items()))
+    out = Path(params["out_dir"]) / name
+    cfg.train.output_dir = str(out)
+    cfg.train.max_steps = params["warmup_steps"] + params["steps"]
+    cfg.train.report_every = 1
+    cfg.train.checkpoint_every = 0
+    cfg.train.max_failures = 0
+    result: dict[str, Any] = {"status": "ok", "error": ""}
+    try:
+        build_trainer(cfg, run_name=name, callbacks=[TuneReportCallback()]).fit()
+    except Exception as e:  # an OOM or crash makes this setting infeasible, not the sweep
+        msg = "".join(traceback.format_exception_only(type(e), e)).strip()
+        result.update(status="oom" if "memory" in msg.lower() else "failed", error=msg[-500:])
+    figures = _trial_metrics(out, params["warmup_steps"]) if (out / "metrics.jsonl").exists() else {}
+    result.update({"tokens_per_s": 0.0, "fill": 0.0, "peak_mem_mb": 0.0, "final_loss": float("nan"), **figures})
+    if result["status"] == "ok" and result["peak_mem_mb"] > params["memory_limit_mb"]:
+        result["status"] = "over_memory"
+    result["feasible"] = result["status"] == "ok"
+    result["score"] = result["tokens_per_s"] if result["feasible"] else -1.0
+    tune.report(result)
+
+
+def tune_budgets(base: Config, space: dict[str, list[Any]], out_dir: str, memory_limit_mb: float,
+                 warmup_steps: int = 2, steps: int = 4) -> dict[str, Any]:
+    """Grid search ``space``; return {"trials": [...], "best": setting or None, "best_config": Config}."""
+    from ray_mmbatch.train.trainer import connect
+
+    connect()
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    base_dict = base.to_dict()
+    base_dict["image"]["allowed_formats"] = list(base_dict["image"]["allowed_formats"])
+    param_space = {k: tune.grid_search(list(v)) for k, v in space.items()}
+    param_space.update(base=base_dict, out_dir=str(out), memory_limit_mb=memory_limit_mb,
+                       warmup_steps=warmup_steps, steps=steps)
+    tuner = tune.Tuner(
+        tune.with_resources(run_trial, {"cpu": 0}),
+        param_space=param_space,
+        tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=1),
+        run_config=tune.RunConfig(name="tune", storage_path=str(out / "ray_storage")),
+    )
+    grid = tuner.fit()
+    trials = []
+    for r in grid:
+        m = r.metrics or {}
+        setting = {k: r.config[k] for k in space}
+        trials.append({"setting": setting, **{k: m.get(k) for k in
+                       ("tokens_per_s", "peak_mem_mb", "fill", "final_loss", "status", "feasible", "error")}})
+        if m.get("status") is None:  # the function itself died before reporting
+            trials[-1].update(status="failed", feasible=False, error=str(r.error)[-500:])
+    feasible = [t for t in trials if t["feasible"]]
+    best = max(feasible, key=lambda t: t["tokens_per_s"]) if feasible else None
+    best_cfg = copy.deepcopy(base)
+    if best:
+        apply_overrides(best_cfg, best["setting"])
+        save_config(best_cfg, out / "best.yaml")
+    (out / "trials.json").write_text(json.dumps({"trials": trials, "best": best}, indent=2, default=str))
+    return {"trials": trials, "best": best, "best_config": best_cfg}
+
+
+def format_table(trials: list[dict[str, Any]]) -> str:
+    head = f"{'setting':<48} {'tokens/s':>10} {'peak MB':>9} {'fill':>6}  status"
+    lines = [head, "-" * len(head)]
+    for t in sorted(trials, key=lambda t: -(t["tokens_per_s"] or 0)):
+        s = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in t["setting"].items())
+        lines.append(f"{s:<48} {t['tokens_per_s'] or 0:>10.0f} {t['peak_mem_mb'] or 0:>9.0f} "
+                     f"{t['fill'] or 0:>6.3f}  {t['status']}")
+    return "\n".join(lines)
