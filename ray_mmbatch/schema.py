@@ -95,3 +95,10 @@ RUN_METRICS = "metrics.jsonl"    # one JSON object per report: step, loss, token
 RUN_BATCHES = "batches.jsonl"    # one JSON object per trained batch: step, rank, real/padded/target tokens, n_samples, budget
 RUN_SKIPPED = "skipped.csv"      # id,reason for every skipped sample
 RUN_LEDGER = "ledger"            # folder: per-rank sample-id ledger files (optional)
+
+# ------------------------------------------ MEASURED row, added by data/measure.py
+# The id of the tokenizer's IMAGE_PAD token, carried on every measured row so that
+# stages holding no tokenizer (oversize policy, materialize) can find the image slots
+# in TEXT_IDS; a different tokenizer gives a different id, so it cannot be a constant.
+IMAGE_TOKEN_ID = "image_token_id"  # int
+MEASURED_COLUMNS = MEASURED_COLUMNS + (IMAGE_TOKEN_ID,)

@@ -1,0 +1,218 @@
+"""data/image.py on real Pillow-encoded files: probe, smart resize, decode, patch order, bad inputs."""
+from __future__ import annotations
+
+import io
+import struct
+import time
+import zlib
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+from skimage import data as skdata
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import ImageConfig
+from ray_mmbatch.data.image import (ImageSkip, decode_image, image_grid, patch_positions, patchify, probe_image,
+                                    smart_resize, unpatchify)
+
+CFG = ImageConfig()
+
+
+def encode(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def jpeg_with_orientation(img: Image.Image, orientation: int) -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return encode(img, "JPEG", quality=95, exif=exif)
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A valid PNG header claiming width x height, with only a few bytes of pixel data."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\x00" * 64)
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b"")
+
+
+def skip_reason(fn, *args) -> str:
+    with pytest.raises(ImageSkip) as e:
+        fn(*args)
+    return e.value.reason
+
+
+# ------------------------------------------------------------------ probe
+def test_probe_reads_size_and_exif_orientation_swaps_sides():
+    img = Image.new("RGB", (40, 20), "red")  # width 40, height 20
+    assert probe_image(encode(img, "PNG"), CFG) == (20, 40)
+    for orientation, expected in [(1, (20, 40)), (3, (20, 40)), (6, (40, 20)), (8, (40, 20)), (5, (40, 20))]:
+        assert probe_image(jpeg_with_orientation(img, orientation), CFG) == expected, orientation
+
+
+def test_probe_bad_inputs_have_reasons():
+    assert skip_reason(probe_image, b"", CFG) == S.SKIP_EMPTY_FILE
+    assert skip_reason(probe_image, b"\x00garbage" * 50, CFG) == S.SKIP_NOT_AN_IMAGE
+    assert skip_reason(probe_image, b"%PDF-1.4\n1 0 obj << >> endobj\n" * 4, CFG) == S.SKIP_NOT_AN_IMAGE
+    ico = encode(Image.new("RGB", (32, 32), "blue"), "ICO")
+    assert skip_reason(probe_image, ico, CFG) == S.SKIP_UNSUPPORTED_FORMAT
+    assert probe_image(ico, ImageConfig(allowed_formats=("ICO",))) == (32, 32)
+
+
+def test_decompression_bomb_refused_from_header_without_decoding():
+    bomb = png_header_only(100_000, 100_000)
+    t0 = time.perf_counter()
+    assert skip_reason(probe_image, bomb, CFG) == S.SKIP_DECOMPRESSION_BOMB
+    assert skip_reason(decode_image, bomb, (28, 28)) == S.SKIP_DECOMPRESSION_BOMB
+    assert time.perf_counter() - t0 < 0.5
+    # our own limit applies below Pillow's, still from the header
+    small_limit = ImageConfig(max_header_pixels=100 * 100 - 1)
+    assert skip_reason(probe_image, encode(Image.new("L", (100, 100)), "PNG"), small_limit) == S.SKIP_DECOMPRESSION_BOMB
+    assert Image.MAX_IMAGE_PIXELS is not None  # Pillow's guard is left on
+
+
+def test_truncated_files_probe_fine_but_decode_is_corrupt():
+    photo = Image.fromarray(skdata.chelsea())
+    for fmt in ("JPEG", "PNG"):
+        full = encode(photo, fmt)
+        cut = full[: len(full) // 2]
+        assert probe_image(cut, CFG) == (300, 451)
+        assert skip_reason(decode_image, cut, (56, 84)) == S.SKIP_CORRUPT_IMAGE, fmt
+    assert not getattr(__import__("PIL.ImageFile").ImageFile, "LOAD_TRUNCATED_IMAGES")
+
+
+# ------------------------------------------------------------------ smart resize
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 20_000), st.integers(1, 20_000))
+def test_smart_resize_bounds(h, w):
+    rh, rw = smart_resize(h, w, CFG)
+    f = CFG.factor
+    assert rh % f == 0 and rw % f == 0 and rh >= f and rw >= f
+    assert rh * rw <= CFG.max_pixels
+    if max(h, w) / min(h, w) <= 50:  # min_pixels is soft only when the clamp for extreme aspect kicks in
+        assert rh * rw >= CFG.min_pixels
+    if min(rh, rw) >= 4 * f:
+        assert abs(np.log(rh / rw) - np.log(h / w)) < np.log(1.7)
+    assert image_grid(h, w, CFG) == (1, rh // CFG.patch_size, rw // CFG.patch_size)
+
+
+def test_smart_resize_known_cases():
+    assert smart_resize(1, 1, ImageConfig(min_pixels=0)) == (28, 28)
+    assert smart_resize(1, 1, CFG) == (56, 56)  # default min_pixels = 4 factors**2
+    assert smart_resize(224, 224, CFG) == (224, 224)
+    assert smart_resize(3000, 2000, CFG) == (532, 364)  # Qwen2-VL gives the same
+    for h, w in [(1, 4000), (4000, 1), (1, 100_000), (3, 60_000)]:
+        rh, rw = smart_resize(h, w, CFG)
+        assert rh * rw <= CFG.max_pixels and min(rh, rw) == 28 and max(rh, rw) >= 28 * 100
+    with pytest.raises(ValueError):
+        smart_resize(10, 10, ImageConfig(max_pixels=100))
+
+
+# ------------------------------------------------------------------ decode
+def test_alpha_is_composited_on_white():
+    rgba = Image.new("RGBA", (56, 56), (0, 0, 0, 0))  # fully transparent black
+    rgba.paste((255, 0, 0, 255), (0, 0, 28, 56))      # opaque red left half
+    out = decode_image(encode(rgba, "PNG"), (56, 56))
+    assert out.dtype == np.uint8 and out.shape == (56, 56, 3)
+    assert (out[:, 40:] == 255).all() and (out[:, :20] == [255, 0, 0]).all()
+    la = Image.new("LA", (56, 56), (0, 0))
+    assert (decode_image(encode(la, "PNG"), (56, 56)) == 255).all()
+    p = Image.new("P", (56, 56), 0)
+    p.putpalette([0, 0, 0, 0, 255, 0] + [0] * 762)
+    p.paste(1, (0, 0, 28, 56))
+    out = decode_image(encode(p, "PNG", transparency=0), (56, 56))
+    assert (out[:, 40:] == 255).all() and (out[:, :20] == [0, 255, 0]).all()
+    gif = decode_image(encode(p, "GIF", transparency=0), (56, 56))
+    assert (gif[:, 40:] == 255).all()
+
+
+def test_sixteen_bit_is_scaled_not_clipped():
+    ramp = np.tile(np.linspace(0, 65535, 56).astype(np.uint16), (56, 1))
+    img = Image.fromarray(ramp)
+    assert img.mode == "I;16"
+    out = decode_image(encode(img, "PNG"), (56, 56))
+    expected = np.rint(ramp / 257.0)
+    assert np.abs(out[..., 0].astype(int) - expected).max() <= 1
+    assert out[:, -1].min() == 255 and out[:, 0].max() == 0 and 120 < out[0, 28, 0] < 135
+
+
+@pytest.mark.parametrize("mode", ["CMYK", "L", "1", "P", "YCbCr"])
+def test_every_mode_decodes_to_rgb(mode):
+    img = Image.fromarray(skdata.astronaut()).resize((64, 48)).convert(mode)
+    fmt = "JPEG" if mode in ("CMYK", "YCbCr") else "PNG"
+    out = decode_image(encode(img, fmt), (28, 56))
+    assert out.shape == (28, 56, 3) and out.dtype == np.uint8 and out.std() > 10
+
+
+def test_exif_rotated_jpeg_decodes_upright():
+    upright = Image.fromarray(skdata.astronaut()).resize((160, 112))
+    stored = upright.transpose(Image.Transpose.ROTATE_90)  # orientation 6 = rotate 90 CW to display
+    data = jpeg_with_orientation(stored, 6)
+    h, w = probe_image(data, CFG)
+    assert (h, w) == (112, 160)
+    size = smart_resize(h, w, CFG)
+    a = decode_image(data, size).astype(float)
+    b = decode_image(encode(upright, "JPEG", quality=95), size).astype(float)
+    assert np.abs(a - b).mean() < 6
+    wrong = np.asarray(stored.resize(size[::-1] if size[0] != size[1] else size)).astype(float)
+    assert wrong.shape != a.shape or np.abs(wrong - a).mean() > 20
+
+
+def test_big_jpeg_decodes_to_requested_size_quickly():
+    big = Image.fromarray(skdata.coffee()).resize((3000, 2000))
+    data = encode(big, "JPEG", quality=85)
+    size = smart_resize(*probe_image(data, CFG), CFG)
+    t0 = time.perf_counter()
+    out = decode_image(data, size)
+    assert out.shape == (*size, 3)
+    assert time.perf_counter() - t0 < 0.5  # draft(): decoded at 1/4 scale
+
+
+def test_decode_refuses_formats_not_allowed():
+    ico = encode(Image.new("RGB", (32, 32), "blue"), "ICO")
+    assert skip_reason(decode_image, ico, (28, 28), CFG.allowed_formats) == S.SKIP_NOT_AN_IMAGE
+
+
+# ------------------------------------------------------------------ patchify
+def qwen2vl_patchify(img: np.ndarray, ps: int, m: int) -> np.ndarray:
+    """Qwen2-VL's image processor reshape (temporal_patch_size 1), written independently as the reference."""
+    c = img.transpose(2, 0, 1)[None, None]  # (t=1, tp=1, C, H, W)
+    gh, gw = img.shape[0] // ps, img.shape[1] // ps
+    x = c.reshape(1, 1, 3, gh // m, m, ps, gw // m, m, ps).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gh * gw, 3 * ps * ps)
+
+
+@pytest.mark.parametrize("hw", [(28, 28), (56, 84), (112, 28), (532, 364)])
+def test_patchify_matches_qwen_order_and_round_trips(hw):
+    rng = np.random.default_rng(0)
+    img = rng.integers(0, 256, (*hw, 3), dtype=np.uint8)
+    p = patchify(img, CFG)
+    gh, gw = hw[0] // 14, hw[1] // 14
+    assert p.shape == (gh * gw, 3 * 14 * 14) and p.dtype == np.uint8
+    np.testing.assert_array_equal(p, qwen2vl_patchify(img, 14, 2))
+    np.testing.assert_array_equal(unpatchify(p, (1, gh, gw), CFG), img)
+
+
+def test_merge_window_order_and_positions():
+    cfg = ImageConfig(patch_size=2, merge_size=2)
+    gh, gw = 4, 6
+    rows, cols = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
+    # every pixel of patch (r, c) holds r in channel 0 and c in channel 1
+    img = np.stack([rows.repeat(2, 0).repeat(2, 1), cols.repeat(2, 0).repeat(2, 1), np.zeros((8, 12), int)], -1)
+    p = patchify(img.astype(np.uint8), cfg)
+    got = np.stack([p[:, 0], p[:, 4]], -1)  # channel-major: channel 1 starts at ps*ps = 4
+    assert got[:8].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
+    pos = patch_positions((1, gh, gw), 2)
+    assert pos.dtype == np.int32
+    np.testing.assert_array_equal(pos, got)
+    assert p.reshape(-1, 4 * p.shape[1]).shape[0] == gh * gw // 4  # one row per merge window
+    with pytest.raises(ValueError):
+        patchify(np.zeros((14, 28, 3), np.uint8), CFG)  # 1x2 patches: not a whole merge window
