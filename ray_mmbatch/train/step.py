@@ -1,0 +1,195 @@
+"""One optimizer step over several micro-batches, with the loss normalized right.
+
+The loss of an optimizer step is the mean CE over ALL target tokens of that
+step, across every micro-batch and every data-parallel rank::
+
+    N      = all_reduce_sum( sum over my micro-batches of n_target )   (before any backward)
+    loss_i = ce_sum_i * world_size / N                                 (micro-batch i)
+
+so the accumulated, DDP-averaged gradient is  (1/world) * sum_ranks sum_i
+grad(ce_sum_i) * world / N = grad(sum of all CE) / N. Averaging per micro-batch
+(mean CE of each, divided by the number of micro-batches) would weight a token
+in a 10-target micro-batch 10x more than one in a 100-target micro-batch.
+
+DDP's all-reduce runs only on the last micro-batch (``no_sync`` on the others).
+Autocast: bf16 on CUDA by default, opt-in on CPU; the CE itself is fp32.
+No Ray here: the Ray Train loop (train/loop.py) builds a ``StepRunner``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ray_mmbatch.config import TrainConfig
+from ray_mmbatch.schema import IGNORE_INDEX
+
+# Token-index arrays go to int64 on the device (embedding / CE want long); the
+# copy is made after the transfer so the host->device bytes stay int32.
+_LONG_KEYS = ("input_ids", "labels", "position_ids")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def batch_to_torch(batch: dict, device: torch.device | str, non_blocking: bool = True) -> dict:
+    """numpy arrays -> tensors on ``device`` (pinned staging on CUDA); other values pass through."""
+    device = torch.device(device)
+    pin = device.type == "cuda"
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
+            with warnings.catch_warnings():
+                # Arrays decoded from a Ray block are read-only; we never write
+                # into these tensors, so sharing the buffer is safe.
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.from_numpy(np.ascontiguousarray(value))
+            if pin:
+                tensor = tensor.pin_memory()
+            tensor = tensor.to(device, non_blocking=non_blocking and pin)
+            out[key] = tensor.long() if key in _LONG_KEYS else tensor
+        elif isinstance(value, np.generic):
+            out[key] = value.item()
+        else:
+            out[key] = value
+    return out
+
+
+def count_targets(batch: dict) -> int:
+    """Target tokens of a batch (numpy or torch), counted from its labels."""
+    labels = batch["labels"]
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def token_loss_sum(model: nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of fp32 CE over target tokens, number of target tokens) for one batch."""
+    return model(batch, loss_only=True)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """None = run in fp32; 'auto' = bf16 on CUDA, fp32 elsewhere."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    if _world() == 1:
+        return values
+    # gloo reduces CPU tensors, nccl CUDA ones: put the tensor where the backend wants it.
+    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=where)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()
+
+
+def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device | str,
+                         dtype: torch.dtype | None = None) -> dict:
+    """Forward + backward every micro-batch of one optimizer step; grads are left in ``.grad``.
+
+    ``micro_batches`` are numpy dicts (converted one at a time, so only one is
+    on the device at once) or already-converted torch dicts. Returns the
+    global loss (mean over all targets), counts and the local real tokens.
+    """
+    device = torch.device(device)
+    if not micro_batches:
+        raise ValueError("an optimizer step needs at least one micro-batch")
+    local_targets = sum(count_targets(b) for b in micro_batches)
+    world = _world()
+    (global_targets,) = _all_reduce_sum([float(local_targets)], device)
+    scale = world / max(global_targets, 1.0)
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+    local_ce = 0.0
+    real_tokens = 0
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or not ddp else model.no_sync()
+        tb = batch_to_torch(batch, device) if isinstance(batch["labels"], np.ndarray) else batch
+        with sync:
+            with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                ce_sum, _ = token_loss_sum(model, tb)
+            (ce_sum * scale).backward()
+        local_ce += float(ce_sum.detach())
+        real_tokens += _real_tokens(tb)
+    (global_ce,) = _all_reduce_sum([local_ce], device)
+    return {"loss": global_ce / max(global_targets, 1.0), "n_target": int(global_targets),
+            "local_n_target": local_targets, "real_tokens": real_tokens, "world_size": world}
+
+
+def _real_tokens(batch: dict) -> int:
+    if "real_tokens" in batch and batch["real_tokens"] is not None:
+        value = batch["real_tokens"]
+        return int(value.sum()) if hasattr(value, "sum") else int(value)
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["cu_seqlens"][-1])
+
+
+def optimizer_step(model: nn.Module, micro_batches: list[dict], optimizer: torch.optim.Optimizer, scheduler,
+                   train_cfg: TrainConfig, device: torch.device | str) -> dict:
+    """One optimizer step: accumulate, clip (``grad_clip``), step optimizer and scheduler, zero grads.
+
+    Returns the metrics of ``accumulate_gradients`` plus ``lr`` (used this
+    step), ``grad_norm`` (before clipping), ``time_s`` and ``tokens_per_s``.
+    """
+    device = torch.device(device)
+    start = time.perf_counter()
+    model.train()
+    metrics = accumulate_gradients(model, micro_batches, device, autocast_dtype(train_cfg.precision, device))
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = train_cfg.grad_clip if train_cfg.grad_clip > 0 else float("inf")
+    metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    metrics["lr"] = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    metrics["time_s"] = time.perf_counter() - start
+    metrics["tokens_per_s"] = metrics["real_tokens"] / max(metrics["time_s"], 1e-9)
+    return metrics
+
+
+class StepRunner:
+    """Model + optimizer + scheduler + settings bound together; ``step(micro_batches)`` = one step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, train_cfg: TrainConfig,
+                 device: torch.device | str):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.cfg, self.device = train_cfg, torch.device(device)
+
+    def step(self, micro_batches: list[dict]) -> dict:
+        return optimizer_step(self.model, micro_batches, self.optimizer, self.scheduler, self.cfg, self.device)
+
+
+def lr_lambda(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1) -> float:
+    """Linear warm-up to 1, then cosine decay to ``floor`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: nn.Module, train_cfg: TrainConfig, total_steps: int):
+    """AdamW with no weight decay on norms and biases (1-D params) + warm-up/cosine LambdaLR."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": train_cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(0.9, 0.95))
+    warmup, total = train_cfg.warmup_steps, max(1, total_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, warmup, total))
+    return optimizer, scheduler
