@@ -1,0 +1,76 @@
+"""`ray start --head` on loopback, `ray job submit` the train job with token auth, check its summary.
+
+The head runs with ``--block`` in its own process group, so the test stops exactly
+the head it started (``ray stop`` would also kill the session's shared cluster).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_dashboard(port: int, env: dict, timeout: float = 90) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = subprocess.run([str(BIN / "ray"), "job", "list", "--address", f"http://127.0.0.1:{port}"],
+                           env=env, capture_output=True, text=True)
+        if r.returncode == 0:
+            return
+        time.sleep(2)
+    raise TimeoutError(f"job server on {port} did not come up: {r.stderr[-2000:]}")
+
+
+@pytest.mark.slow
+def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_dataset):
+    token = secrets.token_hex(32)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}:{env.get('PATH', '')}")
+    gcs, dash = _free_port(), _free_port()
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+         f"--port={gcs}", "--dashboard-host", "127.0.0.1", f"--dashboard-port={dash}", "--num-cpus", "4",
+         "--include-dashboard", "true", "--temp-dir", str(tmp_path / "ray_tmp"), "--disable-usage-stats"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_dashboard(dash, env)
+        # without the token the job server refuses
+        bad = dict(env, RAY_AUTH_TOKEN="0" * 64)
+        denied = subprocess.run([str(BIN / "ray"), "job", "list", "--address", f"http://127.0.0.1:{dash}"],
+                                env=bad, capture_output=True, text=True)
+        assert denied.returncode != 0
+        out = tmp_path / "run"
+        cmd = [str(BIN / "ray"), "job", "submit", "--address", f"http://127.0.0.1:{dash}", "--working-dir",
+               str(ROOT), "--", "python", "jobs/train.py", "--data", str(small_parquet_dataset),
+               "--output-dir", str(out), "--max-steps", "3", "--max-tokens", "2048", "--report-every", "1",
+               "--checkpoint-every", "0", "--window", "64"]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+        assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["steps"] == 3
+        assert summary["samples"] > 0 and summary["real_tokens"] > 0
+        assert 0 < summary["fill"] <= 1.0
+        assert summary["initial_loss"] > 0 and summary["final_loss"] > 0
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
