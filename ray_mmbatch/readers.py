@@ -1,0 +1,169 @@
+"""Ray Data readers: a dataset path -> a Dataset of RAW rows (schema.RAW_COLUMNS).
+
+Thin shell over data/sources.py, one Ray read per format:
+
+    parquet     ray.data.read_parquet (only the id/image/text columns) + map_batches(parquet_rows);
+                files without the id column are read per row group instead, so each row
+                gets its exact "<file>:<row>" id
+    webdataset  ray.data.read_binary_files over *.tar + map_batches(webdataset_samples), one
+                tar per call (a shard is held in memory once while it is split into rows)
+    llava       the JSON is read on the driver (it is one list), sent as chunks of
+                LLAVA_CHUNK records with ray.data.from_items; workers read the image files
+
+Files are sorted, so with DataContext.execution_options.preserve_order the
+row order is the same every run. Adapters return Arrow tables with a fixed
+schema, so a block of text-only rows still has list<binary> images.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray
+
+from ray_mmbatch import schema
+from ray_mmbatch.config import DataConfig
+from ray_mmbatch.data.sources import llava_rows, parquet_rows, rows_to_table, webdataset_samples
+
+FORMATS = ("parquet", "webdataset", "llava")
+LLAVA_INDEX_NAMES = ("data.json", "data.jsonl")
+LLAVA_CHUNK = 64
+_EXTS = {"parquet": (".parquet",), "webdataset": (".tar", ".tar.gz", ".tgz"), "llava": (".json", ".jsonl")}
+
+
+def _files_under(folder: str, exts: tuple[str, ...]) -> list[str]:
+    found = []
+    for dirpath, dirnames, files in os.walk(folder):
+        dirnames.sort()
+        found += [os.path.join(dirpath, f) for f in sorted(files) if f.endswith(exts)]
+    return found
+
+
+def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[str]]:
+    """(format, sorted files) for a file, folder or glob; ``fmt`` 'auto' guesses from what is there."""
+    if fmt not in FORMATS + ("auto",):
+        raise ValueError(f"data.format must be one of {FORMATS + ('auto',)}, got {fmt!r}")
+    if any(c in path for c in "*?["):
+        files = sorted(glob.glob(path, recursive=True))
+        if not files:
+            raise FileNotFoundError(f"no files match {path!r}")
+    elif os.path.isdir(path):
+        index = [os.path.join(path, n) for n in LLAVA_INDEX_NAMES if os.path.isfile(os.path.join(path, n))]
+        if fmt in ("auto", "llava") and index:
+            return "llava", index[:1]
+        for candidate in (FORMATS[:2] if fmt == "auto" else (fmt,)):
+            files = _files_under(path, _EXTS[candidate])
+            if files:
+                return candidate, files
+        raise ValueError(f"{path!r} holds no {fmt if fmt != 'auto' else 'data.json, *.parquet or *.tar'} files")
+    elif os.path.isfile(path):
+        files = [path]
+    else:
+        raise FileNotFoundError(f"dataset path {path!r} does not exist")
+    if fmt == "auto":
+        kinds = {k for f in files for k, exts in _EXTS.items() if f.endswith(exts)}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot tell the format of {path!r} (found {sorted(kinds) or 'no known'} files); "
+                             "set data.format")
+        fmt = kinds.pop()
+    return fmt, files
+
+
+# -------------------------------------------------------------- adapters
+def _parquet_batch(table: pa.Table, data_cfg: DataConfig) -> pa.Table:
+    return parquet_rows(table, data_cfg)
+
+
+def _parquet_row_group(units: pa.Table, data_cfg: DataConfig, columns: list[str]) -> pa.Table:
+    tables = []
+    for unit in units.to_pylist():
+        part = pq.ParquetFile(unit["path"]).read_row_group(unit["row_group"], columns=columns)
+        tables.append(parquet_rows(part, data_cfg, file_name=os.path.basename(unit["path"]),
+                                   row_offset=unit["row_offset"]))
+    return pa.concat_tables(tables)
+
+
+def _webdataset_batch(batch: pa.Table) -> pa.Table:
+    rows = []
+    for data, path in zip(batch.column("bytes").to_pylist(), batch.column("path").to_pylist()):
+        rows += webdataset_samples(data, os.path.basename(path))
+    return rows_to_table(rows)
+
+
+def _llava_batch(chunks: pa.Table, image_root: str, file_name: str) -> pa.Table:
+    rows = []
+    for offset, records in zip(chunks.column("row_offset").to_pylist(), chunks.column("records").to_pylist()):
+        rows += llava_rows(json.loads(records), image_root, file_name=file_name, row_offset=offset)
+    return rows_to_table(rows)
+
+
+# ----------------------------------------------------------------- reads
+def _read_parquet(files: list[str], data_cfg: DataConfig, blocks: int | None) -> ray.data.Dataset:
+    names = pq.read_schema(files[0]).names
+    if data_cfg.text_column not in names:
+        raise ValueError(f"{files[0]}: text column {data_cfg.text_column!r} not found; columns are {names} "
+                         "(set data.text_column)")
+    columns = [c for c in (data_cfg.id_column, data_cfg.image_column, data_cfg.text_column) if c in names]
+    if data_cfg.id_column in names:
+        ds = ray.data.read_parquet(files, include_paths=True, include_row_hash=True, override_num_blocks=blocks)
+        ds = ds.select_columns(columns + ["path", "row_hash"])  # pushed down into the read
+        return ds.map_batches(_parquet_batch, fn_kwargs={"data_cfg": data_cfg}, batch_format="pyarrow",
+                              batch_size=None)
+    units = []
+    for f in files:
+        meta, offset = pq.ParquetFile(f).metadata, 0
+        for g in range(meta.num_row_groups):
+            units.append({"path": f, "row_group": g, "row_offset": offset})
+            offset += meta.row_group(g).num_rows
+    ds = ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
+    return ds.map_batches(_parquet_row_group, fn_kwargs={"data_cfg": data_cfg, "columns": columns},
+                          batch_format="pyarrow", batch_size=1)
+
+
+def _read_webdataset(files: list[str], blocks: int | None) -> ray.data.Dataset:
+    ds = ray.data.read_binary_files(files, include_paths=True, override_num_blocks=blocks)
+    return ds.map_batches(_webdataset_batch, batch_format="pyarrow", batch_size=1)
+
+
+def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None) -> ray.data.Dataset:
+    if len(files) != 1:
+        raise ValueError(f"LLaVA format reads one JSON file, got {len(files)}: {files[:3]}")
+    path = files[0]
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".jsonl"):
+            records = []
+            for line in f:
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        records.append(f"not JSON: {line[:80]}")  # kept: a row with malformed_record
+        else:
+            records = json.load(f)
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON list of records, got {type(records).__name__}")
+    chunks = [{"row_offset": i, "records": json.dumps(records[i:i + LLAVA_CHUNK], ensure_ascii=True)}
+              for i in range(0, len(records), LLAVA_CHUNK)]
+    root = data_cfg.image_root or os.path.dirname(os.path.abspath(path))
+    ds = ray.data.from_items(chunks, override_num_blocks=min(len(chunks), blocks or len(chunks)) or 1)
+    return ds.map_batches(_llava_batch, fn_kwargs={"image_root": root, "file_name": os.path.basename(path)},
+                          batch_format="pyarrow", batch_size=1)
+
+
+def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None) -> ray.data.Dataset:
+    """A Dataset of RAW rows (schema.RAW_COLUMNS) for a Parquet / WebDataset / LLaVA path.
+
+    ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
+    *.tar -> webdataset; a single file by its extension.
+    """
+    fmt, files = resolve_files(path, data_cfg.format)
+    if fmt == "parquet":
+        ds = _read_parquet(files, data_cfg, override_num_blocks)
+    elif fmt == "webdataset":
+        ds = _read_webdataset(files, override_num_blocks)
+    else:
+        ds = _read_llava(files, data_cfg, override_num_blocks)
+    return ds.select_columns(list(schema.RAW_COLUMNS))
