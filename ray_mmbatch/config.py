@@ -131,6 +131,8 @@ class TrainConfig:
     """Where summary.json, metrics, checkpoints and reports go."""
     run_name: str = ""
     """Run name (re-running with the same name resumes); empty = output_dir's name."""
+    fault_at_step: int = 0
+    """Fault drill: rank 0 SIGKILLs its own process after this step, once per run dir (0 = off)."""
 
 
 @dataclass

@@ -38,6 +38,7 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, Config, ImageConfig, TextConfig
 
 PLAN = "plan"  # PLAN row column: the measured rows of one batch (internal, never written to disk)
+PLAN_CPUS = 0.25  # planning a window takes milliseconds; don't let it hold a whole CPU slot
 
 
 def _reason_key(reason: str) -> str:
@@ -194,7 +195,7 @@ def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epochs
     for epoch in range(cfg.train.epochs if epochs is None else epochs):
         plans = measured_dataset(cfg, epoch).map_batches(
             plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
-            fn_args=(cfg.budget, cfg.train.seed, epoch), **_stage_args(cfg))
+            fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **_stage_args(cfg))
         if consumed:
             plans = plans.filter(lambda r, c=consumed: r[S.BATCH_ID] not in c)
         datasets.append(plans.map_batches(
@@ -205,7 +206,9 @@ def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epochs
     ds = datasets[0]
     for other in datasets[1:]:
         ds = ds.union(other)
-    return ds
+    # One batch per block: Train's split hands out whole blocks, so a block holding a
+    # window's worth of batches would starve the other ranks (streaming, no barrier).
+    return ds.repartition(target_num_rows_per_block=1)
 
 
 def set_deterministic(deterministic: bool) -> None:

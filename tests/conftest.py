@@ -14,13 +14,14 @@ def ray_cluster():
     """One local Ray cluster shared by every Ray test (start-up costs ~7 s).
 
     ``"local"`` always starts a fresh cluster, so a stale cluster file from a
-    ``ray start`` elsewhere cannot interfere. 4 logical CPUs on 2 cores lets
-    Train workers and Ray Data stages be scheduled side by side.
+    ``ray start`` elsewhere cannot interfere. 8 logical CPUs on 2 cores lets two
+    Train workers and the Ray Data actor pools (which hold their CPU slots) be
+    scheduled side by side; otherwise a 2-worker fit waits forever for a slot.
     """
     import ray
 
     if not ray.is_initialized():
-        ray.init("local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+        ray.init("local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                  configure_logging=False)
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False

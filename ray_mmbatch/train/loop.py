@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -65,6 +66,16 @@ def zero_target(batch: dict[str, Any]) -> dict[str, Any]:
     b["target_tokens"] = 0
     b["_dummy"] = True
     return b
+
+
+def filler_batch(image_cfg) -> dict[str, Any]:
+    """A 2-token text-only pack with no targets, for a rank that never received a batch."""
+    ps = image_cfg.patch_size
+    return {"mode": "pack", "input_ids": np.zeros((1, 2), np.int32), "labels": np.full((1, 2), S.IGNORE_INDEX, np.int32),
+            "position_ids": np.arange(2, dtype=np.int32)[None], "cu_seqlens": np.array([0, 2], np.int32),
+            "max_seqlen": 2, "seq_lens": np.array([2], np.int32), "patches": np.zeros((0, 3 * ps * ps), np.uint8),
+            "image_grid_thw": np.zeros((0, 3), np.int32), "image_sample_index": np.zeros(0, np.int32),
+            "vision_cu_seqlens": np.zeros(1, np.int32), "sample_ids": [], "real_tokens": 0, "target_tokens": 0}
 
 
 class RunFiles:
@@ -163,13 +174,12 @@ class Runner:
                 break
             if micro:
                 self.last_batch = micro[-1]
-            elif self.last_batch is not None:
-                micro = [zero_target(self.last_batch)]
             else:
-                raise RuntimeError(f"rank {self.rank} received no batch at all; use fewer workers or more data")
+                micro = [zero_target(self.last_batch or filler_batch(self.cfg.image))]
             out = self._optimizer_step(self.model, micro, self.opt, self.sched, tcfg, self.device)
             self.step += 1
             self._account(micro, out, t_data, time.perf_counter() - t0)
+            self._fault_drill()
             if self.step % tcfg.report_every == 0 and not (tcfg.max_steps and self.step >= tcfg.max_steps):
                 ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
                 self.report(time.perf_counter() - last_report, checkpoint=ck)
@@ -199,6 +209,13 @@ class Runner:
         if self.initial_loss is None:
             self.initial_loss = float(out["loss"])
         self.last_loss = float(out["loss"])
+
+    def _fault_drill(self) -> None:
+        """Die like an OOM-killed worker (SIGKILL, no cleanup) at the configured step, once."""
+        marker = Path(self.cfg.train.output_dir) / "fault_drill_done"
+        if self.rank == 0 and self.step == self.cfg.train.fault_at_step and not marker.exists():
+            marker.write_text(str(self.step))
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def report(self, elapsed: float, checkpoint: bool, final: bool = False) -> None:
         import ray.train
