@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, text, cast in (("budget.window", args.window_grid, int), ("budget.max_patches", args.max_patches_grid, int)):
         if text:
             space[key] = _grid(text, cast)
-    from ray_mmbatch.tune import format_table, tune_budgets
+    from ray_mmbatch.tune import format_table, grid, tune_budgets
 
-    res = tune_budgets(cfg, space, args.out, args.memory_limit_mb, args.warmup_steps, args.steps)
+    res = tune_budgets(cfg, grid(space), args.out, args.memory_limit_mb, args.warmup_steps, args.steps)
     print(format_table(res["trials"]))
     if res["best"] is None:
         print("no feasible setting: raise --memory-limit-mb or lower the budgets", file=sys.stderr)

@@ -4,12 +4,13 @@
 
     read_raw (readers.py)            RAW rows, bytes only
       .map_batches(MeasureStage)     + token ids, grids, costs, skip_reason; oversize policy applied
-      .map_batches(plan_window,      one PLAN row per batch; each window of `budget.window` samples is
+      .filter(not yet trained)       resume: samples trained before the checkpoint are dropped before
+                                     planning, so none of their pixels is decoded
+      .map_batches(plan_rows,        one PLAN row per batch; each window of `budget.window` samples is
                    batch_size=W)     planned on its own (see below)
-      .filter(not yet trained)       resume: batches consumed before the checkpoint are dropped *before*
-                                     any pixel is decoded
       .map_batches(MaterializeStage, one BATCH row per batch: decode + resize + patchify + collate
                    batch_size=1)
+      .repartition(1 row per block)  so Train's split can hand batches to ranks one by one
 
 End of stream: Ray Data gives a map stage no end-of-stream hook, so a buffer carried
 from one window to the next would lose its leftovers when the stream ends. We do not
@@ -187,17 +188,19 @@ def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True):
 def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epochs: int | None = None):
     """The whole data path for training: one BATCH row per planned batch, epochs concatenated.
 
-    ``consumed`` holds batch ids already trained (resume): they are filtered out
-    after planning and before decoding, so resuming costs no image decoding.
+    ``consumed`` holds the sample ids already trained (resume): they are filtered
+    out after measuring and before planning, so a resumed run decodes none of them
+    and re-plans only what is left, whatever window boundaries Ray Data draws.
     """
     consumed = frozenset(consumed)
     datasets = []
     for epoch in range(cfg.train.epochs if epochs is None else epochs):
-        plans = measured_dataset(cfg, epoch).map_batches(
+        measured = measured_dataset(cfg, epoch)
+        if consumed and epoch == 0:
+            measured = measured.filter(lambda r, c=consumed: r[S.SAMPLE_ID] not in c)
+        plans = measured.map_batches(
             plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
             fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **_stage_args(cfg))
-        if consumed:
-            plans = plans.filter(lambda r, c=consumed: r[S.BATCH_ID] not in c)
         datasets.append(plans.map_batches(
             MaterializeStage, batch_size=1, batch_format="numpy",
             fn_constructor_args=(cfg.image, cfg.budget, pad_id),

@@ -22,11 +22,12 @@ from ray import tune
 
 from ray_mmbatch.config import Config, apply_overrides, save_config
 
-# The settings searched by default; every key is a config field.
-DEFAULT_SPACE: dict[str, list[Any]] = {
-    "budget.max_tokens": [2048, 4096, 8192],
-    "budget.mode": ["pack"],
-}
+def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The product of per-field value lists -> a list of settings ({"section.field": value})."""
+    settings: list[dict[str, Any]] = [{}]
+    for key, values in space.items():
+        settings = [{**s, key: v} for s in settings for v in values]
+    return settings
 
 
 def _trial_metrics(out_dir: Path, warmup_steps: int) -> dict[str, float]:
@@ -54,7 +55,7 @@ def run_trial(params: dict[str, Any]) -> None:
 
     base = params["base"]
     cfg = apply_overrides(Config(), {f"{s}.{k}": v for s, sub in base.items() for k, v in sub.items()})
-    setting = {k: v for k, v in params.items() if "." in k}
+    setting = dict(params["setting"])
     apply_overrides(cfg, setting)
     name = "trial-" + "-".join(f"{k.split('.')[-1]}={v}" for k, v in sorted(setting.items()))
     out = Path(params["out_dir"]) / name
@@ -78,9 +79,9 @@ def run_trial(params: dict[str, Any]) -> None:
     tune.report(result)
 
 
-def tune_budgets(base: Config, space: dict[str, list[Any]], out_dir: str, memory_limit_mb: float,
+def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, memory_limit_mb: float,
                  warmup_steps: int = 2, steps: int = 4) -> dict[str, Any]:
-    """Grid search ``space``; return {"trials": [...], "best": setting or None, "best_config": Config}."""
+    """One trial per setting; return {"trials": [...], "best": trial or None, "best_config": Config}."""
     from ray_mmbatch.train.trainer import connect
 
     connect()
@@ -88,7 +89,7 @@ def tune_budgets(base: Config, space: dict[str, list[Any]], out_dir: str, memory
     out.mkdir(parents=True, exist_ok=True)
     base_dict = base.to_dict()
     base_dict["image"]["allowed_formats"] = list(base_dict["image"]["allowed_formats"])
-    param_space = {k: tune.grid_search(list(v)) for k, v in space.items()}
+    param_space = {"setting": tune.grid_search(list(settings))}
     param_space.update(base=base_dict, out_dir=str(out), memory_limit_mb=memory_limit_mb,
                        warmup_steps=warmup_steps, steps=steps)
     tuner = tune.Tuner(
@@ -101,7 +102,7 @@ def tune_budgets(base: Config, space: dict[str, list[Any]], out_dir: str, memory
     trials = []
     for r in grid:
         m = r.metrics or {}
-        setting = {k: r.config[k] for k in space}
+        setting = r.config["setting"]
         trials.append({"setting": setting, **{k: m.get(k) for k in
                        ("tokens_per_s", "peak_mem_mb", "fill", "final_loss", "status", "feasible", "error")}})
         if m.get("status") is None:  # the function itself died before reporting

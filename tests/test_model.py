@@ -284,3 +284,62 @@ def test_default_model_is_small(tok):
     model = build_model(cfg, image, 8192, 8191, 0, seed=0)
     n = sum(p.numel() for p in model.parameters())
     assert 0.5e6 < n < 5e6, n
+
+
+# ------------------------------------------------ sdpa pack path: length buckets, no T x T mask
+SEGMENT_CASES = {
+    "mixed, tail pad": ([0, 1, 40, 41, 300, 420, 470, 600, 603], 640),
+    "empty segments": ([0, 0, 17, 17, 90, 90], 90),
+    "one segment + tail": ([0, 250], 256),
+    "one segment": ([0, 200], 200),
+    "many short": (list(range(0, 500, 5)), 497),
+}
+
+
+def _masked_reference(q, k, v, layout):
+    """What the sdpa backend computed before buckets: one call over the full T x T block mask."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=layout.sdpa_mask())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("case", sorted(SEGMENT_CASES))
+def test_sdpa_segment_buckets_equal_block_mask(case, causal):
+    from ray_mmbatch.model import attend, pack_layout
+
+    cu, length = SEGMENT_CASES[case]
+    gen = torch.Generator().manual_seed(len(cu))
+    q, k, v = (torch.randn(1, 4, length, 16, generator=gen, requires_grad=True) for _ in range(3))
+    grad_out = torch.randn(1, 4, length, 16, generator=gen)
+    results = []
+    for fn in (attend, _masked_reference):
+        layout = pack_layout(torch.tensor(cu), length, 0, causal=causal, backend="sdpa", device=torch.device("cpu"))
+        out = fn(q, k, v, layout)
+        grads = torch.autograd.grad(out, (q, k, v), grad_out)
+        results.append((out, *grads))
+    for got, ref, name in zip(results[0], results[1], ("out", "dq", "dk", "dv")):
+        torch.testing.assert_close(got, ref, atol=2e-6, rtol=1e-5, msg=f"{case} causal={causal}: {name}")
+
+
+def test_segment_buckets_cover_every_token_once_and_bound_the_work():
+    from ray_mmbatch.model import pack_layout
+    from ray_mmbatch.model.attention import BUCKET_FLOOR, BUCKET_RATIO
+
+    rng = np.random.default_rng(0)
+    lens = np.concatenate([rng.integers(1, 64, 40), rng.integers(64, 3000, 12)])
+    rng.shuffle(lens)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    length = int(cu[-1]) + 9
+    layout = pack_layout(torch.tensor(cu), length, 0, causal=True, backend="sdpa", device=torch.device("cpu"))
+    buckets = layout.segment_buckets()
+    seen = np.concatenate([idx[idx >= 0].numpy().reshape(-1) for idx, _ in buckets])
+    slots = sum(idx.numel() for idx, _ in buckets)
+    inv = layout._cache["inv"].numpy()
+    assert sorted(inv.tolist()) == sorted(set(inv.tolist())) and inv.max() < slots   # a distinct slot per token
+    flat = np.concatenate([idx.numpy().reshape(-1) for idx, _ in buckets])
+    assert (flat[inv] == np.arange(length)).all()                                       # and it is that token
+    assert set(seen.tolist()) == set(range(length))
+    work = sum(idx.shape[0] * idx.shape[1] ** 2 for idx, _ in buckets)
+    all_lens = np.append(lens, 9)
+    assert work <= (np.maximum(all_lens / BUCKET_RATIO, BUCKET_FLOOR) ** 2).sum()
+    assert work < 0.2 * length ** 2                                                     # vs the T x T mask
+    assert len(buckets) <= 1 + np.ceil(np.log(all_lens.max() / BUCKET_FLOOR) / np.log(1 / BUCKET_RATIO)) + 1

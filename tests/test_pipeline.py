@@ -20,11 +20,23 @@ from ray_mmbatch.train.trainer import tokenizer_ids
 pytestmark = pytest.mark.ray
 
 
+_DATASETS: dict[str, tuple] = {}
+
+
 @pytest.fixture(scope="module")
-def bad_webdataset(tmp_path_factory):
-    out = tmp_path_factory.mktemp("wds_bad")
-    manifest = generate_dataset(str(out), 160, "webdataset", seed=3, shard_size=50, bad_per_kind=1)
-    return out, manifest
+def bad_datasets(tmp_path_factory):
+    """Good samples with every kind of broken / hostile sample mixed in, per format (made once)."""
+    def make(fmt: str):
+        if fmt not in _DATASETS:
+            out = tmp_path_factory.mktemp(f"{fmt}_bad")
+            _DATASETS[fmt] = out, generate_dataset(str(out), 160, fmt, seed=3, shard_size=50, bad_per_kind=1)
+        return _DATASETS[fmt]
+    return make
+
+
+@pytest.fixture(scope="module")
+def bad_webdataset(bad_datasets):
+    return bad_datasets("webdataset")
 
 
 def _cfg(path, fmt, **budget) -> Config:
@@ -49,9 +61,11 @@ def _check_batch(row, cfg: Config) -> dict:
     budget = cfg.budget
     n = len(b["sample_ids"])
     assert list(b["sample_ids"]) == list(row[S.BATCH_SAMPLE_IDS])
+    lens = b["seq_lens"].astype(np.float64)
     if budget.mode == "pack":
         assert b["input_ids"].shape[0] == 1
-        assert b["input_ids"].shape[1] == int(b["seq_lens"].sum()) <= budget.max_tokens
+        assert b["input_ids"].shape[1] == int(b["seq_lens"].sum())
+        assert lens.sum() + budget.attn_weight * (lens ** 2).sum() <= budget.max_tokens
         assert b["cu_seqlens"][-1] == b["input_ids"].shape[1]
     else:
         assert b["input_ids"].shape[0] == n
@@ -67,11 +81,15 @@ def _check_batch(row, cfg: Config) -> dict:
     return b
 
 
-@pytest.mark.parametrize("mode,extra", [("pack", {"max_patches": 3000, "max_images": 16}),
-                                        ("pad", {"max_samples": 8})])
-def test_every_sample_once_within_budget(ray_cluster, bad_webdataset, mode, extra):
-    path, manifest = bad_webdataset
-    cfg = _cfg(path, "webdataset", mode=mode, max_tokens=2048, **extra)
+@pytest.mark.parametrize("fmt,mode,extra", [
+    ("webdataset", "pack", {"max_patches": 3000, "max_images": 16}),
+    ("llava", "pad", {"max_samples": 8}),
+    ("parquet", "pack", {"max_images": 16, "attn_weight": 1e-4}),
+])
+def test_every_sample_once_within_budget(ray_cluster, bad_datasets, fmt, mode, extra):
+    path, manifest = bad_datasets(fmt)
+    assert len(set(manifest["bad"].values())) >= 9 and manifest["valid_unusual"]
+    cfg = _cfg(path, fmt, mode=mode, max_tokens=2048, **extra)
     rows = _run(cfg)
     trained, skipped = [], {}
     for row in rows:
@@ -104,15 +122,16 @@ def test_deterministic_mode_repeats_batches(ray_cluster, bad_webdataset):
     assert len({bid for bid, _ in first}) == len(first), "batch ids must be unique"
 
 
-def test_resume_filter_drops_consumed_batches_before_decoding(ray_cluster, bad_webdataset):
+def test_resume_filter_drops_consumed_samples_before_planning(ray_cluster, bad_webdataset):
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
 
     path, _ = bad_webdataset
     cfg = _cfg(path, "webdataset", mode="pack", max_tokens=2048)
     set_deterministic(True)
     pad_id = tokenizer_ids(cfg)["pad_id"]
-    full = [r[S.BATCH_ID] for r in batch_dataset(cfg, pad_id).take_all()]
-    consumed = full[::3]
-    rest = [r[S.BATCH_ID] for r in batch_dataset(cfg, pad_id, consumed=consumed).take_all()]
-    assert sorted(rest + consumed) == sorted(full)
+    full = [list(r[S.BATCH_SAMPLE_IDS]) for r in batch_dataset(cfg, pad_id).take_all()]
+    consumed = [sid for batch in full[::3] for sid in batch]
+    rest = [sid for r in batch_dataset(cfg, pad_id, consumed=consumed).take_all() for sid in r[S.BATCH_SAMPLE_IDS]]
+    assert consumed and rest
+    assert sorted(rest + consumed) == sorted(sid for batch in full for sid in batch)
     assert not set(rest) & set(consumed)

@@ -94,15 +94,17 @@ def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet,
 
 
 def _kill_one_materialize_worker(stop: threading.Event, killed: list) -> None:
-    from ray.util.state import list_actors
+    """SIGKILL the first materialize actor process seen (Ray titles it ray::MapWorker(...))."""
+    import psutil
 
     while not stop.is_set() and not killed:
-        for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000):
-            if "MaterializeStage" in (a.class_name or "") and a.pid:
-                os.kill(a.pid, signal.SIGKILL)
-                killed.append(a.pid)
+        for p in psutil.process_iter(["cmdline"]):
+            title = " ".join(p.info["cmdline"] or [])
+            if title.startswith("ray::MapWorker(MapBatches(MaterializeStage))") and ".submit" in title:
+                os.kill(p.pid, signal.SIGKILL)
+                killed.append(p.pid)
                 return
-        time.sleep(0.5)
+        time.sleep(0.2)
 
 
 def test_preprocessing_worker_killed_mid_epoch(ray_cluster, bad_parquet, tmp_path):

@@ -2,9 +2,9 @@
 
 A checkpoint directory holds ``model.pt``, ``optim.pt`` (optimizer + scheduler)
 and ``state.json`` (step, counters, and the data position). The data position
-is the set of batch ids already trained: batch ids are stable in deterministic
-mode (``e{epoch}/{first sample of window}/{j}``), so a resumed run drops exactly
-those batches before decoding and trains every other one, on whatever rank.
+is the set of sample ids already trained: a resumed run drops exactly those
+samples before planning and trains every other one, on whatever rank, even if
+Ray Data draws its windows differently this time.
 
 Every file is written to a temporary name and renamed, ``state.json`` last: a
 directory without ``state.json`` is not a checkpoint, so a save that dies half
@@ -76,10 +76,22 @@ def write_latest(output_dir: str | Path, checkpoint_path: str, state: dict[str, 
     _atomic_write_bytes(Path(output_dir) / LATEST, json.dumps(rec).encode())
 
 
-def read_latest_consumed(output_dir: str | Path) -> list[str]:
-    """Batch ids trained as of the newest pointer; [] when there is none or it is unreadable."""
-    p = Path(output_dir) / LATEST
+def read_latest_consumed(output_dir: str | Path, run_storage: str | Path | None = None) -> list[str]:
+    """Sample ids trained as of the checkpoint a restart will restore; [] when none.
+
+    Ray Train restores the newest checkpoint its manager registered
+    (``checkpoint_manager_snapshot.json`` in the run's storage); we read that one's
+    state. Failing that, our own pointer, written after each registered checkpoint.
+    The train loop masks out anything this view misses, so it only has to be close.
+    """
+    if run_storage is not None:
+        try:
+            snap = json.loads((Path(run_storage) / "checkpoint_manager_snapshot.json").read_text())
+            name = snap["latest_checkpoint_result"]["checkpoint_dir_name"]
+            return list(load_state(Path(run_storage) / name).get("consumed", []))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     try:
-        return list(json.loads(p.read_text()).get("consumed", []))
+        return list(json.loads((Path(output_dir) / LATEST).read_text()).get("consumed", []))
     except (OSError, ValueError):
         return []

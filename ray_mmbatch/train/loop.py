@@ -9,9 +9,11 @@ no gradient, but it joins the gradient all-reduce). No batch is dropped to make
 the counts equal, and every rank makes the same number of ``ray.train.report``
 calls (a barrier).
 
-Resume: a checkpoint stores the set of trained batch ids (all ranks, gathered);
-the dataset is rebuilt without them (before decoding) and the loop also skips
-any that still arrive, so after a restore no sample is trained twice or missed.
+Resume: a checkpoint stores the ids of the samples trained so far (all ranks,
+gathered). The dataset is rebuilt without them (before planning and decoding),
+and should one still arrive (the dataset builder read an older checkpoint than
+the one restored), its targets are masked out of the batch. So after a restore
+no sample is trained twice or missed, whatever batches Ray Data forms this time.
 """
 from __future__ import annotations
 
@@ -65,6 +67,24 @@ def zero_target(batch: dict[str, Any]) -> dict[str, Any]:
     b["labels"] = np.full_like(batch["labels"], S.IGNORE_INDEX)
     b["target_tokens"] = 0
     b["_dummy"] = True
+    return b
+
+
+def mask_samples(batch: dict[str, Any], keep: np.ndarray) -> dict[str, Any]:
+    """Take the samples where ``keep`` is False out of the loss (their tokens stay as
+    context-free segments: attention never crosses samples) and out of the sample list."""
+    b = dict(batch)
+    labels = np.array(batch["labels"], copy=True)
+    if batch["mode"] == "pack":
+        cu = batch["cu_seqlens"]
+        for i in np.flatnonzero(~keep):
+            labels[0, cu[i]:cu[i + 1]] = S.IGNORE_INDEX
+    else:
+        labels[~keep] = S.IGNORE_INDEX
+    b["labels"] = labels
+    b["sample_ids"] = [s for s, k in zip(batch["sample_ids"], keep) if k]
+    b["target_tokens"] = int((labels != S.IGNORE_INDEX).sum())
+    b["real_tokens"] = int(np.asarray(batch["seq_lens"])[keep].sum())
     return b
 
 
@@ -145,17 +165,17 @@ class Runner:
             row = next(rows, None)
             if row is None:
                 break
-            bid = str(row[S.BATCH_ID])
-            if bid in self.consumed:
-                continue  # trained before the restore
             for sid, reason in json.loads(str(row[S.BATCH_SKIPPED])):
                 self.files.append("skipped", {"sample_id": sid, "reason": reason})
             if int(row[S.BATCH_N_SAMPLES]) == 0:
-                self.consumed.add(bid)
-                self.new_consumed.append(bid)
-                continue
+                continue  # only carried skip records
             batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
-            batch["_batch_id"] = bid
+            keep = [str(sid) not in self.consumed for sid in batch["sample_ids"]]
+            if not any(keep):
+                continue  # trained before the restore
+            if not all(keep):
+                batch = mask_samples(batch, np.array(keep))
+            batch["_batch_id"] = str(row[S.BATCH_ID])
             batch["_padded_tokens"] = int(row[S.BATCH_PADDED_TOKENS])
             micro.append(batch)
         return micro
@@ -192,8 +212,8 @@ class Runner:
         padded = 0 if dummy else sum(int(b["_padded_tokens"]) for b in micro)
         n = 0 if dummy else sum(len(b["sample_ids"]) for b in micro)
         for b in [] if dummy else micro:
-            self.consumed.add(b["_batch_id"])
-            self.new_consumed.append(b["_batch_id"])
+            self.consumed.update(str(x) for x in b["sample_ids"])
+            self.new_consumed.extend(str(x) for x in b["sample_ids"])
             self.files.append("batches", {
                 "step": self.step, "rank": self.rank, "batch_id": b["_batch_id"],
                 "real_tokens": int(b["real_tokens"]), "padded_tokens": int(b["_padded_tokens"]),

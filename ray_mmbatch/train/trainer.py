@@ -100,10 +100,13 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     ids = tokenizer_ids(cfg)
     set_deterministic(cfg.train.deterministic)
 
+    name = run_name or cfg.train.run_name or out.name
+    storage = out / "ray_storage"
+
     def dataset_fn():
         # Called at every worker-group start: a restart rebuilds the stream without
-        # the batches the newest checkpoint already trained.
-        return batch_dataset(cfg, ids["pad_id"], consumed=ckpt.read_latest_consumed(out))
+        # the samples the checkpoint being restored already trained.
+        return batch_dataset(cfg, ids["pad_id"], consumed=ckpt.read_latest_consumed(out, storage / name))
 
     return TorchTrainer(
         train_loop_per_worker,
@@ -111,7 +114,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
         run_config=RunConfig(
-            name=run_name or cfg.train.run_name or out.name, storage_path=str(out / "ray_storage"),
+            name=name, storage_path=str(storage),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=callbacks or None,
