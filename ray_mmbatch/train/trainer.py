@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,18 +42,39 @@ class LosslessDataConfig(DataConfig):
         return output
 
 
+def _running_cluster() -> str | None:
+    """RAY_ADDRESS, or the cluster `ray start` last started on this machine; None if neither.
+
+    Unlike ``address="auto"`` this never joins some other process's private
+    ``ray.init()`` instance (a test session, a notebook) just because it is running.
+    """
+    try:
+        from ray._private.services import get_ray_address_from_environment
+
+        return get_ray_address_from_environment(None, None)
+    except Exception:  # private API moved, or a stale file pointing nowhere
+        return os.environ.get("RAY_ADDRESS") or None
+
+
 def connect(num_cpus: int | None = None) -> None:
-    """Use a running cluster (RAY_ADDRESS, or one started with ``ray start``), else start one here."""
+    """Join a running cluster (RAY_ADDRESS, or one from ``ray start``), else start one here."""
     if ray.is_initialized():
         return
     kw = dict(log_to_driver=True, configure_logging=False)
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(**kw)
-        return
-    try:
-        ray.init(address="auto", **kw)
-    except (ConnectionError, RuntimeError, ValueError):
+    address = _running_cluster()
+    started = False
+    if address:
+        try:
+            ray.init(address=address, **kw)
+            started = True
+        except ConnectionError:
+            if os.environ.get("RAY_ADDRESS"):
+                raise
+            print(f"[ray_mmbatch] no cluster answers at {address} (stale); starting one here", flush=True)
+    if not started:
         ray.init("local", num_cpus=num_cpus, include_dashboard=False, **kw)
+    # progress bars only for a person at a terminal; logs stay readable
+    ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
 
 
 def tokenizer_ids(cfg: Config) -> dict[str, int]:
