@@ -26,8 +26,9 @@ def ensure_demo_data(cfg) -> None:
 
     demo = Path(cfg.train.output_dir).resolve().parent / "demo_data"
     if not (demo / "manifest.json").exists():
-        print(f"[train] generating {cfg.data.demo_samples} demo samples in {demo}", flush=True)
-        generate_dataset(str(demo), cfg.data.demo_samples, "parquet", seed=cfg.train.seed)
+        # one sample of each kind of broken input rides along, to show they are skipped and counted
+        print(f"[train] generating {cfg.data.demo_samples} demo samples (+ broken ones) in {demo}", flush=True)
+        generate_dataset(str(demo), cfg.data.demo_samples, "parquet", seed=cfg.train.seed, bad_per_kind=1)
     cfg.data.path, cfg.data.format = str(demo), "parquet"
 
 

@@ -93,9 +93,10 @@ def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, mem
     param_space.update(base=base_dict, out_dir=str(out), memory_limit_mb=memory_limit_mb,
                        warmup_steps=warmup_steps, steps=steps)
     tuner = tune.Tuner(
-        tune.with_resources(run_trial, {"cpu": 0}),
+        tune.with_resources(run_trial, {"cpu": 0.1}),  # the trial only waits on its trainer
         param_space=param_space,
-        tune_config=tune.TuneConfig(metric="score", mode="max", max_concurrent_trials=1),
+        # no metric here: the Train callback streams per-step reports; the best is picked from final results
+        tune_config=tune.TuneConfig(max_concurrent_trials=1),
         run_config=tune.RunConfig(name="tune", storage_path=str(out / "ray_storage")),
     )
     grid = tuner.fit()

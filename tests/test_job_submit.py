@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,9 +29,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_dashboard(port: int, env: dict, timeout: float = 90) -> None:
+def _wait_dashboard(port: int, env: dict, head, log: Path, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
+        assert head.poll() is None, f"ray start exited: {log.read_text()[-3000:]}"
         r = subprocess.run([str(BIN / "ray"), "job", "list", "--address", f"http://127.0.0.1:{port}"],
                            env=env, capture_output=True, text=True)
         if r.returncode == 0:
@@ -44,13 +47,16 @@ def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_datas
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}:{env.get('PATH', '')}")
     gcs, dash = _free_port(), _free_port()
+    # a short temp dir: Ray's unix sockets live under it and must stay under ~107 characters
+    ray_tmp = tempfile.mkdtemp(prefix="rmb", dir="/tmp")
+    head_log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
          f"--port={gcs}", "--dashboard-host", "127.0.0.1", f"--dashboard-port={dash}", "--num-cpus", "4",
-         "--include-dashboard", "true", "--temp-dir", str(tmp_path / "ray_tmp"), "--disable-usage-stats"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+         "--include-dashboard", "true", "--temp-dir", ray_tmp, "--disable-usage-stats"],
+        env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        _wait_dashboard(dash, env)
+        _wait_dashboard(dash, env, head, tmp_path / "head.log")
         # without the token the job server refuses
         bad = dict(env, RAY_AUTH_TOKEN="0" * 64)
         denied = subprocess.run([str(BIN / "ray"), "job", "list", "--address", f"http://127.0.0.1:{dash}"],
@@ -74,3 +80,5 @@ def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_datas
             head.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
+        head_log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -211,6 +211,7 @@ class Runner:
         real = 0 if dummy else sum(int(b["real_tokens"]) for b in micro)
         padded = 0 if dummy else sum(int(b["_padded_tokens"]) for b in micro)
         n = 0 if dummy else sum(len(b["sample_ids"]) for b in micro)
+        target = 0 if dummy else sum(int(b["target_tokens"]) for b in micro)
         for b in [] if dummy else micro:
             self.consumed.update(str(x) for x in b["sample_ids"])
             self.new_consumed.extend(str(x) for x in b["sample_ids"])
@@ -223,7 +224,7 @@ class Runner:
             self.files.append("ledger", {"step": self.step, "batch_id": b["_batch_id"],
                                          "sample_ids": [str(s) for s in b["sample_ids"]]})
         w = self.window
-        for k, v in (("real", real), ("padded", padded), ("samples", n), ("data_s", t_data),
+        for k, v in (("real", real), ("padded", padded), ("target", target), ("samples", n), ("data_s", t_data),
                      ("step_s", t_step), ("loss_sum", out["loss"]), ("steps", 1)):
             w[k] = w.get(k, 0.0) + v
         if self.initial_loss is None:
@@ -241,7 +242,7 @@ class Runner:
         import ray.train
 
         w, self.window = self.window, {}
-        keys = ("real", "padded", "samples", "data_s", "step_s", "steps")
+        keys = ("real", "padded", "target", "samples", "data_s", "step_s", "steps")
         g = dict(zip(keys, all_reduce([w.get(k, 0.0) for k in keys])))
         (loss_mean,) = all_reduce([w.get("loss_sum", 0.0) / max(w.get("steps", 1.0), 1.0)])
         loss_mean /= self.world
@@ -249,6 +250,7 @@ class Runner:
         t["samples"] += int(g["samples"])
         t["real_tokens"] += int(g["real"])
         t["padded_tokens"] += int(g["padded"])
+        t["target_tokens"] += int(g["target"])
         t["train_s"] += elapsed
         metrics = {
             "step": self.step, "loss": loss_mean if g["steps"] else float("nan"),
