@@ -73,10 +73,6 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[str]]:
 
 
 # -------------------------------------------------------------- adapters
-def _parquet_batch(table: pa.Table, data_cfg: DataConfig) -> pa.Table:
-    return parquet_rows(table, data_cfg)
-
-
 def _parquet_row_group(units: pa.Table, data_cfg: DataConfig, columns: list[str]) -> pa.Table:
     tables = []
     for unit in units.to_pylist():
@@ -107,11 +103,9 @@ def _read_parquet(files: list[str], data_cfg: DataConfig, blocks: int | None) ->
         raise ValueError(f"{files[0]}: text column {data_cfg.text_column!r} not found; columns are {names} "
                          "(set data.text_column)")
     columns = [c for c in (data_cfg.id_column, data_cfg.image_column, data_cfg.text_column) if c in names]
-    if data_cfg.id_column in names:
-        ds = ray.data.read_parquet(files, include_paths=True, include_row_hash=True, override_num_blocks=blocks)
-        ds = ds.select_columns(columns + ["path", "row_hash"])  # pushed down into the read
-        return ds.map_batches(_parquet_batch, fn_kwargs={"data_cfg": data_cfg}, batch_format="pyarrow",
-                              batch_size=None)
+    # One task per row group, read with pyarrow: Ray's own Parquet reader (2.60) starts
+    # dozens of processes to read footers and may pack every file into one block, which
+    # leaves a 2-core machine's later stages a single task to work on (bench_ingest).
     units = []
     for f in files:
         meta, offset = pq.ParquetFile(f).metadata, 0

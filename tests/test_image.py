@@ -216,3 +216,46 @@ def test_merge_window_order_and_positions():
     assert p.reshape(-1, 4 * p.shape[1]).shape[0] == gh * gw // 4  # one row per merge window
     with pytest.raises(ValueError):
         patchify(np.zeros((14, 28, 3), np.uint8), CFG)  # 1x2 patches: not a whole merge window
+
+
+def _png_chunks(data: bytes) -> list[bytes]:
+    out, pos = [], 8
+    while pos < len(data):
+        n = int.from_bytes(data[pos:pos + 4], "big")
+        out.append(data[pos:pos + 12 + n])
+        pos += 12 + n
+    return out
+
+
+@pytest.mark.parametrize("exif_after_pixels", [False, True])
+def test_png_exif_orientation_before_or_after_pixel_data(exif_after_pixels):
+    """The fast PNG path must still see an eXIf chunk, wherever in the file it sits."""
+    import io
+
+    from PIL import Image
+
+    from ray_mmbatch.config import ImageConfig
+    from ray_mmbatch.data.image import decode_image, probe_image
+
+    upright = np.zeros((40, 100, 3), np.uint8)
+    upright[:, :50] = (255, 0, 0)
+    stored = Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90)  # what a camera would store: 100x40
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 CW to display": the stored 40-wide image shows 100 wide
+    buf = io.BytesIO()
+    stored.save(buf, "PNG", exif=exif.tobytes())
+    data = buf.getvalue()
+    chunks = _png_chunks(data)
+    assert any(c[4:8] == b"eXIf" for c in chunks)
+    if exif_after_pixels:
+        ex = [c for c in chunks if c[4:8] == b"eXIf"]
+        rest = [c for c in chunks if c[4:8] not in (b"eXIf", b"IEND")]
+        data = data[:8] + b"".join(rest + ex + [chunks[-1]])
+        tail = data[data.find(b"IDAT"):]
+        assert b"eXIf" in tail
+    cfg = ImageConfig()
+    h, w = probe_image(data, cfg)
+    assert (h, w) == (40, 100)
+    img = decode_image(data, (28, 56))
+    assert img.shape == (28, 56, 3)
+    assert img[:, :20, 0].mean() > 200 and img[:, -20:, 0].mean() < 50  # red half on the left, as upright

@@ -67,7 +67,11 @@ def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_datas
                str(ROOT), "--", "python", "jobs/train.py", "--data", str(small_parquet_dataset),
                "--output-dir", str(out), "--max-steps", "3", "--max-tokens", "2048", "--report-every", "1",
                "--checkpoint-every", "0", "--window", "64"]
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+        for _ in range(30):  # the job agent comes up a little after the job server
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
+            if r.returncode == 0 or "No available agent" not in r.stderr:
+                break
+            time.sleep(3)
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
         summary = json.loads((out / "summary.json").read_text())
         assert summary["steps"] == 3

@@ -160,12 +160,15 @@ def encode_conversations(convs: list, n_images: list[int], tok, train_on_prompt:
                          ) -> list[tuple[np.ndarray, np.ndarray] | TextSkip]:
     """Per sample: (ids int32[N], target uint8[N]) with one image_pad per image, or the TextSkip why not.
 
-    All text segments of all samples are encoded in one batched call (deduplicated).
+    All text segments of all samples are encoded in one batched call (deduplicated). Every
+    piece (text segment or special id) becomes an index into one table of id arrays, so the
+    per-sample work is numpy over those indices (lengths, leak check, target mask) plus
+    one concatenate; the special-token leak check is one ``np.isin`` for the whole batch.
     """
     enc = _encoder(tok)
     results: list[Any] = [None] * len(convs)
     plans: dict[int, list] = {}
-    segment_index: dict[str, int] = {}
+    table_index: dict[str | int, int] = {}  # text segment (str) or special id (int) -> table row
     for i, (conv, k) in enumerate(zip(convs, n_images)):
         try:
             pieces = _pieces(_turns(conv, int(k)), int(k) > 0, train_on_prompt, enc)
@@ -174,30 +177,31 @@ def encode_conversations(convs: list, n_images: list[int], tok, train_on_prompt:
             continue
         plans[i] = pieces
         for p, _, _ in pieces:
-            if isinstance(p, str):
-                segment_index.setdefault(p, len(segment_index))
-    segment_ids = enc.encode(list(segment_index)) if segment_index else []
-    leaked = {j for j, ids in enumerate(segment_ids) if np.isin(ids, enc.forbidden).any()}
+            table_index.setdefault(p, len(table_index))
+    keys = list(table_index)
+    texts = [p for p in keys if isinstance(p, str)]
+    encoded = iter(enc.encode(texts) if texts else [])
+    table = [next(encoded) if isinstance(p, str) else np.array([p], dtype=np.int32) for p in keys]
+    table_len = np.fromiter((len(a) for a in table), dtype=np.int64, count=len(table))
+    # a text segment that encodes to a special id (cannot happen with special matching off; a guard)
+    flat = np.concatenate(table) if table else np.zeros(0, dtype=np.int32)
+    hits = np.concatenate([[0], np.cumsum(np.isin(flat, enc.forbidden))])
+    ends = np.cumsum(table_len)
+    table_leaked = (hits[ends] - hits[ends - table_len]) > 0
+    table_leaked[[j for j, p in enumerate(keys) if not isinstance(p, str)]] = False
     for i, pieces in plans.items():
-        arrays, targets, content_targets = [], [], 0
-        for p, target, is_content in pieces:
-            if isinstance(p, str):
-                j = segment_index[p]
-                if j in leaked:
-                    results[i] = TextSkip(S.SKIP_TEXT_ENCODING, f"data text encodes to a special token: {p[:40]!r}")
-                    break
-                a = segment_ids[j]
-            else:
-                a = np.array([p], dtype=np.int32)
-            arrays.append(a)
-            targets.append(target)
-            content_targets += len(a) * target * is_content
-        if results[i] is not None:
+        idx = np.fromiter((table_index[p] for p, _, _ in pieces), dtype=np.int64, count=len(pieces))
+        leaked = table_leaked[idx]
+        if leaked.any():
+            p = keys[int(idx[np.argmax(leaked)])]
+            results[i] = TextSkip(S.SKIP_TEXT_ENCODING, f"data text encodes to a special token: {p[:40]!r}")
             continue
-        if content_targets == 0:
+        lengths = table_len[idx]
+        targets = np.fromiter((t for _, t, _ in pieces), dtype=np.uint8, count=len(pieces))
+        content = np.fromiter((c for _, _, c in pieces), dtype=bool, count=len(pieces))
+        if not (lengths * targets * content).any():
             results[i] = TextSkip(S.SKIP_EMPTY_TEXT, "no answer tokens to train on")
             continue
-        lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-        ids = np.concatenate(arrays).astype(np.int32, copy=False)
-        results[i] = (ids, np.repeat(np.asarray(targets, dtype=np.uint8), lengths))
+        ids = np.concatenate([table[j] for j in idx]).astype(np.int32, copy=False)
+        results[i] = (ids, np.repeat(targets, lengths))
     return results

@@ -72,7 +72,10 @@ def connect(num_cpus: int | None = None) -> None:
                 raise
             print(f"[ray_mmbatch] no cluster answers at {address} (stale); starting one here", flush=True)
     if not started:
-        ray.init("local", num_cpus=num_cpus, include_dashboard=False, **kw)
+        # Actor pools hold their CPU slots for the whole run; with only as many slots as
+        # cores (2 here) they can leave the read no slot at all and the stream stalls.
+        # Logical slots over the core count only let the stages interleave.
+        ray.init("local", num_cpus=num_cpus or max(os.cpu_count() or 2, 4), include_dashboard=False, **kw)
     # progress bars only for a person at a terminal; logs stay readable
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
 

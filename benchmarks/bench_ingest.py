@@ -1,0 +1,246 @@
+"""Is the Ray Data ingest path at least as fast as a plain torch DataLoader doing the same work?
+
+Both sides make ONE full pass over the same Parquet files and do the same per-sample work
+with the same pure functions: read (pyarrow) -> ``parquet_rows`` -> ``measure_batch`` (batches
+of ``data.measure_batch`` rows: one tokenizer call, image headers only) -> ``materialize_sample``
+for every usable sample (decode + resize + patchify to uint8, expand image tokens), then keep
+the counts and drop the pixels:
+
+    (a) ray         ``pipeline.inspect_dataset(cfg)``: read_raw -> MeasureStage (actor pool)
+                    -> InspectStage (actor pool), the path of jobs/inspect_data.py; Ray is
+                    started (``ray.init("local", num_cpus=--cpus)``) before the clock starts;
+                    ``ray/parquet-v1`` is the same with Ray's V1 Parquet reader (see RAY_VARIANTS)
+    (b) dataloader  ``torch.utils.data.DataLoader(num_workers=2, batch_size=None)`` over a
+                    map-style Dataset whose item i is a slice of ``measure_batch`` rows of one
+                    Parquet row group
+
+Reported: samples/s and MB/s of compressed image bytes read (every sample, skipped or not),
+and the ratio ray / dataloader. Each repeat runs the DataLoader first (no Ray processes
+alive), then starts Ray, times its pass and shuts it down, so neither side competes with
+the other's idle processes for the two cores. The two passes must agree on the sample
+count, token / patch sums and image bytes, otherwise the script fails: the same work is
+being timed.
+
+    python benchmarks/bench_ingest.py [--data DIR] [--samples 2000] [--repeat 2] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ray_mmbatch import schema as S  # noqa: E402
+from ray_mmbatch.config import Config  # noqa: E402
+
+
+# ------------------------------------------------------------------ DataLoader side
+@functools.lru_cache(maxsize=2)  # per worker process: consecutive slices share one row-group read
+def _row_group(path: str, group: int, columns: tuple[str, ...]):
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).read_row_group(group, columns=list(columns))
+
+
+class ParquetMeasureMaterialize:
+    """Map-style Dataset: item i = one slice of <= measure_batch rows, measured and materialized."""
+
+    def __init__(self, files: list[str], cfg: Config):
+        import pyarrow.parquet as pq
+
+        self.cfg = cfg
+        names = pq.read_schema(files[0]).names
+        self.columns = tuple(c for c in (cfg.data.id_column, cfg.data.image_column, cfg.data.text_column)
+                             if c in names)
+        self.units = []  # (file, row group, first row in group, rows, first row in file)
+        step = cfg.data.measure_batch
+        for f in files:
+            meta, offset = pq.ParquetFile(f).metadata, 0
+            for g in range(meta.num_row_groups):
+                rows = meta.row_group(g).num_rows
+                self.units += [(f, g, s, min(step, rows - s), offset + s) for s in range(0, rows, step)]
+                offset += rows
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        from ray_mmbatch.data.image import ImageSkip
+        from ray_mmbatch.data.measure import materialize_sample, measure_batch
+        from ray_mmbatch.data.sources import parquet_rows
+        from ray_mmbatch.data.text import load_tokenizer
+
+        path, group, start, rows, file_row = self.units[i]
+        part = _row_group(path, group, self.columns).slice(start, rows)
+        raw = parquet_rows(part, self.cfg.data, file_name=os.path.basename(path), row_offset=file_row)
+        batch = {c: raw.column(c).to_pylist() for c in raw.column_names}
+        m = measure_batch(batch, self.cfg.image, load_tokenizer(self.cfg.text.tokenizer), self.cfg.text)
+        return summarize(m, self.cfg, materialize_sample, ImageSkip)
+
+
+def summarize(m: dict, cfg: Config, materialize_sample, image_skip) -> dict[str, np.ndarray]:
+    """Materialize every usable row of a measured batch; keep what InspectStage keeps (counts)."""
+    n = len(m[S.SAMPLE_ID])
+    ok = np.zeros(n, dtype=bool)
+    mismatch = np.zeros(n, dtype=bool)
+    for i in range(n):
+        if m[S.SKIP_REASON][i]:
+            continue
+        try:
+            out = materialize_sample({k: v[i] for k, v in m.items()}, cfg.image)
+        except image_skip:
+            continue
+        ok[i] = True
+        mismatch[i] = len(out["input_ids"]) != int(m[S.TOKENS][i]) or len(out["patches"]) != int(m[S.PATCHES][i])
+    nbytes = np.array([sum(len(b) for b in (imgs or ())) for imgs in m[S.IMAGES]], dtype=np.int64)
+    return {"ok": ok, "tokens": np.asarray(m[S.TOKENS], dtype=np.int64) * ok,
+            "patches": np.asarray(m[S.PATCHES], dtype=np.int64) * ok, "image_bytes": nbytes, "mismatch": mismatch}
+
+
+def run_dataloader(files: list[str], cfg: Config, workers: int) -> dict:
+    from torch.utils.data import DataLoader
+
+    totals = {"samples": 0, "ok": 0, "tokens": 0, "patches": 0, "image_bytes": 0, "mismatch": 0}
+    t0 = time.perf_counter()
+    loader = DataLoader(ParquetMeasureMaterialize(files, cfg), batch_size=None, shuffle=False,
+                        num_workers=workers, collate_fn=lambda x: x, persistent_workers=False)
+    for item in loader:
+        totals["samples"] += len(item["ok"])
+        for k in ("ok", "tokens", "patches", "image_bytes", "mismatch"):
+            totals[k] += int(np.sum(item[k]))
+    totals["wall_s"] = time.perf_counter() - t0
+    return totals
+
+
+# ------------------------------------------------------------------ Ray side
+# Ray passes to compare, by DataContext settings. Ray 2.60's default Parquet reader (datasource
+# V2) lists files in a task that starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32) footer-reader
+# actors: ~6 s of process start-up on 2 cores, and it packs 2 files into ONE 46 MB block, so
+# measure and materialize each run as one task on one actor. The V1 reader reads footers in
+# the read task and splits the read into >= read_op_min_num_blocks blocks.
+RAY_VARIANTS = {
+    "ray": {},
+    "ray/parquet-v1": {"use_datasource_v2": False},
+}
+
+
+def run_ray(data: str, cfg: Config, cpus: int, context: dict | None = None) -> dict:
+    """One inspect_dataset pass on a fresh local cluster, with ``context`` set on the DataContext."""
+    import ray
+
+    from ray_mmbatch.pipeline import inspect_dataset, set_deterministic
+
+    ray.init("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        # start-up, not counted: wait until the worker pool has one live process per CPU
+        ready = ray.remote(num_cpus=1)(_worker_ready)
+        ray.get([ready.remote() for _ in range(cpus)])
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        for k, v in (context or {}).items():
+            setattr(ctx, k, v)
+        set_deterministic(False)
+        summary = inspect_dataset(cfg)  # times itself: graph build + the whole pass
+    finally:
+        ray.shutdown()
+    return {"samples": summary["samples_read"], "ok": summary["samples_ok"],
+            "tokens": int(summary["tokens"].get("sum", 0)), "patches": int(summary["patches"].get("sum", 0)),
+            "image_bytes": int(round(summary["image_mb_per_s"] * summary["wall_s"] * 2**20)),
+            "mismatch": summary["length_mismatch"], "wall_s": summary["wall_s"]}
+
+
+def _worker_ready() -> int:
+    return os.getpid()
+
+
+# ------------------------------------------------------------------ driver
+def _rates(r: dict) -> dict:
+    r["samples_per_s"] = r["samples"] / r["wall_s"]
+    r["image_mb_per_s"] = r["image_bytes"] / 2**20 / r["wall_s"]
+    return r
+
+
+def _check_same_work(a: dict, b: dict) -> None:
+    for k in ("samples", "ok", "tokens", "patches", "mismatch"):
+        if a[k] != b[k]:
+            raise SystemExit(f"ray and dataloader disagree on {k}: {a[k]} != {b[k]}; not the same work")
+    if abs(a["image_bytes"] - b["image_bytes"]) > 1024:  # ray's figure is rebuilt from a rate (float)
+        raise SystemExit(f"image bytes differ: {a['image_bytes']} vs {b['image_bytes']}")
+    if a["mismatch"]:
+        raise SystemExit(f"{a['mismatch']} samples materialized to a length other than measured")
+
+
+def _print_row(rep: int, side: str, x: dict, ratio: float | None) -> None:
+    r = f"{ratio:.2f}" if ratio else ""
+    print(f"{rep:>3}  {side:<16}{x['samples']:>8}{x['image_bytes'] / 2**20:>7.1f}{x['wall_s']:>8.2f}"
+          f"{x['samples_per_s']:>11.1f}{x['image_mb_per_s']:>8.2f}{r:>8}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", help="Parquet dataset folder (default: generate --samples under a temp dir)")
+    p.add_argument("--samples", type=int, default=2000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=2, help="passes per side (timings are noisy)")
+    p.add_argument("--cpus", type=int, default=4,
+                   help="ray.init num_cpus (logical); 2 deadlocks: both actor pools hold a CPU, the read gets none")
+    p.add_argument("--ray-workers", type=int, default=2, help="max actors per Ray stage (data.preprocess_workers)")
+    p.add_argument("--loader-workers", type=int, default=2, help="DataLoader num_workers")
+    p.add_argument("--measure-batch", type=int, default=64, help="rows per measure call, both sides")
+    p.add_argument("--ray", nargs="+", choices=sorted(RAY_VARIANTS), default=list(RAY_VARIANTS),
+                   help="Ray passes per repeat (see RAY_VARIANTS)")
+    p.add_argument("--only", choices=("ray", "dataloader"), help="run one side only")
+    p.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = p.parse_args(argv)
+
+    tmp = None
+    data = args.data
+    if not data:
+        from ray_mmbatch.data.generate import generate_dataset
+
+        tmp = tempfile.TemporaryDirectory(prefix="bench_ingest_")
+        data = tmp.name
+        generate_dataset(data, args.samples, "parquet", seed=args.seed)
+    files = sorted(glob.glob(os.path.join(data, "**", "*.parquet"), recursive=True))
+    if not files:
+        raise SystemExit(f"no Parquet files under {data}")
+    cfg = Config()
+    cfg.data.path, cfg.data.format = data, "parquet"
+    cfg.data.preprocess_workers, cfg.data.measure_batch = args.ray_workers, args.measure_batch
+
+    print(f"{len(files)} Parquet files under {data}, {os.cpu_count()} cores; ray num_cpus={args.cpus}, "
+          f"actors/stage<={args.ray_workers}; DataLoader num_workers={args.loader_workers}", flush=True)
+    print(f"{'run':>3}  {'path':<16}{'samples':>8}{'MB':>7}{'wall s':>8}{'samples/s':>11}{'MB/s':>8}{'ray/DL':>8}")
+    runs = []
+    for rep in range(args.repeat):
+        run = {"repeat": rep, "dataloader": None, "ratio": {}}
+        if args.only != "ray":
+            run["dataloader"] = _rates(run_dataloader(files, cfg, args.loader_workers))
+            _print_row(rep, "dataloader", run["dataloader"], None)
+        for side in ([] if args.only == "dataloader" else args.ray):
+            r = run[side] = _rates(run_ray(data, cfg, args.cpus, RAY_VARIANTS[side]))
+            ratio = None
+            if run["dataloader"]:
+                _check_same_work(r, run["dataloader"])
+                ratio = run["ratio"][side] = r["samples_per_s"] / run["dataloader"]["samples_per_s"]
+            _print_row(rep, side, r, ratio)
+        runs.append(run)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "files": len(files), "runs": runs}, indent=1))
+    if tmp:
+        tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
