@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
-from dataclasses import asdict
 from typing import Any, Iterable
 
 import numpy as np
@@ -220,38 +219,90 @@ def set_deterministic(deterministic: bool) -> None:
     ctx.execution_options.preserve_order = bool(deterministic)
 
 
-def budget_dict(cfg: BudgetConfig) -> dict[str, Any]:
-    return asdict(cfg)
-
-
 
 class InspectStage:
-    """Per-sample materialize for the data check: keep the counts, drop the pixels."""
+    """The data check in ONE actor stage: measure + materialize each block of RAW rows, keep counts.
 
-    def __init__(self, image_cfg: ImageConfig):
-        self.image_cfg = image_cfg
+    Fused on purpose (bench_ingest): a separate measure stage would ship every image's bytes
+    (as pickled objects, Arrow cannot hold ndarrays of bytes) to a second actor pool that loads
+    its own processes. Here each actor loads the tokenizer once, takes one read block
+    (one Parquet row group / WebDataset shard / LLaVA chunk), measures it in slices of
+    ``measure_batch`` rows (one tokenizer call each), materializes every usable sample
+    (decode + resize + patchify, expand image tokens: per sample, that is Pillow's work)
+    and returns only numbers and reasons.
+    """
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, measure_batch: int):
+        from ray_mmbatch.data.text import load_tokenizer
+
+        self.image_cfg, self.text_cfg, self.measure_batch = image_cfg, text_cfg, max(1, int(measure_batch))
+        self.tok = load_tokenizer(text_cfg.tokenizer)
+
+    def __call__(self, block) -> dict[str, np.ndarray]:
+        from ray_mmbatch.data.measure import measure_batch
+
+        n = block.num_rows
+        out: dict[str, list] = {k: [] for k in _INSPECT_COUNTS}
+        for start in range(0, n, self.measure_batch):
+            part = block.slice(start, self.measure_batch)
+            raw = {c: part.column(c).to_pylist() for c in part.column_names}
+            measured = measure_batch(raw, self.image_cfg, self.tok, self.text_cfg)
+            reasons, mismatch = self._materialize(measured)
+            out[S.SKIP_REASON] += reasons
+            out["length_mismatch"] += mismatch
+            for k in (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES):
+                out[k].append(np.asarray(measured[k], dtype=np.int64))
+        ints = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in out.items()
+                if k not in (S.SKIP_REASON, "length_mismatch")}
+        return {S.SAMPLE_ID: np.asarray(block.column(S.SAMPLE_ID).to_pylist(), dtype=object),
+                S.SKIP_REASON: np.asarray(out[S.SKIP_REASON], dtype=object),
+                "length_mismatch": np.asarray(out["length_mismatch"], dtype=bool),
+                "image_bytes": image_bytes_per_row(block.column(S.IMAGES)), **ints}
+
+    def _materialize(self, m: dict[str, Any]) -> tuple[list[str], list[bool]]:
+        """Materialize every usable row; (skip reason, materialized length != measured) per row."""
         from ray_mmbatch.data.image import ImageSkip
         from ray_mmbatch.data.measure import materialize_sample
 
-        rows = _rows(batch)
-        reasons, mismatch, nbytes = [], [], []
-        for r in rows:
-            reason, bad = str(r[S.SKIP_REASON]), False
-            nbytes.append(sum(len(b) for b in r[S.IMAGES]) if r[S.IMAGES] is not None else 0)
-            if not reason:
-                try:
-                    m = materialize_sample(_plain(r), self.image_cfg)
-                    bad = len(m["input_ids"]) != int(r[S.TOKENS]) or len(m["patches"]) != int(r[S.PATCHES])
-                except ImageSkip as e:
-                    reason = f"{e.reason}: {e}"
-            reasons.append(reason)
-            mismatch.append(bad)
-        return {S.SAMPLE_ID: [str(r[S.SAMPLE_ID]) for r in rows], S.SKIP_REASON: reasons,
-                S.TOKENS: batch[S.TOKENS], S.TEXT_TOKENS: batch[S.TEXT_TOKENS],
-                S.IMAGE_TOKENS: batch[S.IMAGE_TOKENS], S.PATCHES: batch[S.PATCHES],
-                S.N_IMAGES: batch[S.N_IMAGES], "image_bytes": nbytes, "length_mismatch": mismatch}
+        reasons, mismatch = [str(r) for r in m[S.SKIP_REASON]], [False] * len(m[S.SKIP_REASON])
+        for i, reason in enumerate(reasons):
+            if reason:
+                continue
+            try:
+                s = materialize_sample({k: v[i] for k, v in m.items()}, self.image_cfg)
+            except ImageSkip as e:
+                reasons[i] = f"{e.reason}: {e}"
+                continue
+            mismatch[i] = len(s["input_ids"]) != int(m[S.TOKENS][i]) or len(s["patches"]) != int(m[S.PATCHES][i])
+        return reasons, mismatch
+
+
+_INSPECT_COUNTS = (S.SKIP_REASON, "length_mismatch", S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES,
+                   S.N_IMAGES)
+
+
+def image_bytes_per_row(images) -> np.ndarray:
+    """Encoded image bytes per row of a list<binary> Arrow column (null = 0), without a Python loop."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(images, pa.ChunkedArray):
+        images = images.combine_chunks()
+    n = len(images)
+    flat = pc.list_flatten(images)
+    if len(flat) == 0:
+        return np.zeros(n, dtype=np.int64)
+    lengths = pc.fill_null(pc.binary_length(flat), 0).to_numpy(zero_copy_only=False)
+    rows = pc.list_parent_indices(images).to_numpy(zero_copy_only=False)
+    return np.bincount(rows, weights=lengths, minlength=n).astype(np.int64)
+
+
+def inspect_workers(cfg: Config) -> int:
+    """Actors for the data check: data.preprocess_workers, at most the cluster's CPUs (one process per core)."""
+    workers = max(1, cfg.data.preprocess_workers)
+    if ray.is_initialized():  # else Ray Data starts a local cluster of this machine's cores
+        return max(1, min(workers, int(ray.cluster_resources().get("CPU", 1))))
+    return workers
 
 
 def _percentiles(x: np.ndarray) -> dict[str, float]:
@@ -266,11 +317,17 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
     """read -> measure -> materialize every sample; a JSON-able summary for choosing budgets."""
     import time
 
+    from ray_mmbatch.readers import read_raw
+
     t0 = time.perf_counter()
-    ds = measured_dataset(cfg, apply_budget=False).map_batches(
-        InspectStage, batch_size=32, batch_format="numpy", fn_constructor_args=(cfg.image,),
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
-        **_stage_args(cfg))
+    workers = inspect_workers(cfg)
+    # batch_size=None: one call per read block. Ray fuses the read into this actor stage and,
+    # given a row count, would bundle read units (row groups) until it has that many ROWS OF
+    # UNITS - for Parquet that packed every row group into one task on one actor.
+    ds = read_raw(cfg.data.path, cfg.data).map_batches(
+        InspectStage, batch_size=None, batch_format="pyarrow",
+        fn_constructor_args=(cfg.image, cfg.text, cfg.data.measure_batch),
+        compute=ray.data.ActorPoolStrategy(min_size=workers, max_size=workers), **_stage_args(cfg))
     cols: dict[str, list] = {}
     for b in ds.iter_batches(batch_size=4096, batch_format="numpy"):
         for k, v in b.items():

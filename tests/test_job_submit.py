@@ -46,14 +46,19 @@ def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_datas
     token = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}:{env.get('PATH', '')}")
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash, agent_http, agent_grpc, runtime_env, metrics, client = (_free_port() for _ in range(7))
     # a short temp dir: Ray's unix sockets live under it and must stay under ~107 characters
     ray_tmp = tempfile.mkdtemp(prefix="rmb", dir="/tmp")
     head_log = open(tmp_path / "head.log", "w")
     head = subprocess.Popen(
         [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
          f"--port={gcs}", "--dashboard-host", "127.0.0.1", f"--dashboard-port={dash}", "--num-cpus", "4",
-         "--include-dashboard", "true", "--temp-dir", ray_tmp, "--disable-usage-stats"],
+         "--include-dashboard", "true", "--temp-dir", ray_tmp, "--disable-usage-stats",
+         # every fixed default port moved: the session's shared cluster may hold the defaults,
+         # and a dashboard agent that cannot bind leaves the job server with no agent
+         f"--dashboard-agent-listen-port={agent_http}", f"--dashboard-agent-grpc-port={agent_grpc}",
+         f"--runtime-env-agent-port={runtime_env}", f"--metrics-export-port={metrics}",
+         f"--ray-client-server-port={client}"],
         env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_dashboard(dash, env, head, tmp_path / "head.log")
@@ -67,7 +72,7 @@ def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_datas
                str(ROOT), "--", "python", "jobs/train.py", "--data", str(small_parquet_dataset),
                "--output-dir", str(out), "--max-steps", "3", "--max-tokens", "2048", "--report-every", "1",
                "--checkpoint-every", "0", "--window", "64"]
-        for _ in range(30):  # the job agent comes up a little after the job server
+        for _ in range(20):  # the job agent comes up a little after the job server
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
             if r.returncode == 0 or "No available agent" not in r.stderr:
                 break
