@@ -200,8 +200,9 @@ class Runner:
             self.step += 1
             self._account(micro, out, t_data, time.perf_counter() - t0)
             self._fault_drill()
-            if self.step % tcfg.report_every == 0 and not (tcfg.max_steps and self.step >= tcfg.max_steps):
-                ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
+            at_end = bool(tcfg.max_steps) and self.step >= tcfg.max_steps
+            ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
+            if (ck or self.step % tcfg.report_every == 0) and not at_end:  # the end reports below
                 self.report(time.perf_counter() - last_report, checkpoint=ck)
                 last_report = time.perf_counter()
         self.report(time.perf_counter() - last_report, checkpoint=True, final=True)
