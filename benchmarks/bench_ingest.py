@@ -6,10 +6,11 @@ of ``data.measure_batch`` rows: one tokenizer call, image headers only) -> ``mat
 for every usable sample (decode + resize + patchify to uint8, expand image tokens), then keep
 the counts and drop the pixels:
 
-    (a) ray         ``pipeline.inspect_dataset(cfg)``: read_raw -> MeasureStage (actor pool)
-                    -> InspectStage (actor pool), the path of jobs/inspect_data.py; Ray is
-                    started (``ray.init("local", num_cpus=--cpus)``) before the clock starts;
-                    ``ray/parquet-v1`` is the same with Ray's V1 Parquet reader (see RAY_VARIANTS)
+    (a) ray         ``pipeline.inspect_dataset(cfg)``: read_raw (one pyarrow read per row group)
+                    fused with InspectStage (ONE actor pool: measure + materialize per block),
+                    the path of jobs/inspect_data.py; Ray is started (``ray.init("local",
+                    num_cpus=--cpus)``, one idle worker per CPU) before the clock starts, the
+                    actors' start-up (each imports transformers for the tokenizer) is timed
     (b) dataloader  ``torch.utils.data.DataLoader(num_workers=2, batch_size=None)`` over a
                     map-style Dataset whose item i is a slice of ``measure_batch`` rows of one
                     Parquet row group
@@ -122,14 +123,11 @@ def run_dataloader(files: list[str], cfg: Config, workers: int) -> dict:
 
 
 # ------------------------------------------------------------------ Ray side
-# Ray passes to compare, by DataContext settings. Ray 2.60's default Parquet reader (datasource
-# V2) lists files in a task that starts RAY_DATA_PARQUET_FOOTER_NUM_ACTORS (32) footer-reader
-# actors: ~6 s of process start-up on 2 cores, and it packs 2 files into ONE 46 MB block, so
-# measure and materialize each run as one task on one actor. The V1 reader reads footers in
-# the read task and splits the read into >= read_op_min_num_blocks blocks.
+# Ray passes to compare, by DataContext settings applied before the pass. (The former
+# "ray/parquet-v1" variant is gone: readers.py reads Parquet with pyarrow per row group, so
+# Ray's Parquet datasource settings no longer change anything.)
 RAY_VARIANTS = {
     "ray": {},
-    "ray/parquet-v1": {"use_datasource_v2": False},
 }
 
 
@@ -193,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=2, help="passes per side (timings are noisy)")
     p.add_argument("--cpus", type=int, default=4,
-                   help="ray.init num_cpus (logical); 2 deadlocks: both actor pools hold a CPU, the read gets none")
-    p.add_argument("--ray-workers", type=int, default=2, help="max actors per Ray stage (data.preprocess_workers)")
+                   help="ray.init num_cpus (logical); the actor pool is capped at this")
+    p.add_argument("--ray-workers", type=int, default=2, help="Ray actors (data.preprocess_workers)")
     p.add_argument("--loader-workers", type=int, default=2, help="DataLoader num_workers")
     p.add_argument("--measure-batch", type=int, default=64, help="rows per measure call, both sides")
     p.add_argument("--ray", nargs="+", choices=sorted(RAY_VARIANTS), default=list(RAY_VARIANTS),
