@@ -20,6 +20,7 @@ Pure module: transformers/tokenizers + numpy, no ray, no torch.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,14 @@ def load_tokenizer(path: str = ""):
 @functools.lru_cache(maxsize=8)
 def _load_tokenizer(path: str):
     from tokenizers import AddedToken
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    if os.path.realpath(path) == os.path.realpath(SHIPPED_TOKENIZER):
+        # Ours is a plain tokenizer.json: the generic fast class loads it without
+        # AutoTokenizer's config machinery, which imports torch (~1.4 s per actor).
+        from transformers import PreTrainedTokenizerFast as loader
+    else:
+        from transformers import AutoTokenizer as loader
+    tok = loader.from_pretrained(path)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{path}: a fast (Rust) tokenizer is required, got {type(tok).__name__}")
     vocab = tok.get_vocab()
