@@ -125,3 +125,21 @@ def test_preprocessing_worker_killed_mid_epoch(ray_cluster, bad_parquet, tmp_pat
     assert killed, "no materialize worker was found to kill"
     assert summary["steps"] > 0
     assert_exactly_once(out, manifest)
+
+
+def _batches(out: Path) -> list[tuple[str, list[str]]]:
+    rows = [json.loads(ln) for ln in (out / S.RUN_LEDGER / "rank0.jsonl").read_text().splitlines()]
+    return [(r["batch_id"], r["sample_ids"]) for r in rows]
+
+
+def test_deterministic_training_replays_the_same_batches(ray_cluster, bad_parquet, tmp_path):
+    """The stream reaching Train (built in the controller process, split by Train) keeps
+    its order in deterministic mode: two runs train the same batches in the same order."""
+    from ray_mmbatch.train.trainer import run_training
+
+    data, _ = bad_parquet
+    run_training(_cfg(data, tmp_path / "a", num_workers=1, max_steps=6, checkpoint_every=0))
+    run_training(_cfg(data, tmp_path / "b", num_workers=1, max_steps=6, checkpoint_every=0))
+    first, second = _batches(tmp_path / "a"), _batches(tmp_path / "b")
+    assert len(first) == 6
+    assert first == second

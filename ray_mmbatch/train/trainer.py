@@ -128,10 +128,20 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     name = run_name or cfg.train.run_name or out.name
     storage = out / "ray_storage"
 
+    progress = ray.data.DataContext.get_current().enable_progress_bars
+
     def dataset_fn():
-        # Called at every worker-group start: a restart rebuilds the stream without
-        # the samples the checkpoint being restored already trained.
+        # Called at every worker-group start, in the Train controller's process, whose
+        # DataContext is not the driver's: carry the settings over, then rebuild the
+        # stream without the samples the checkpoint being restored already trained.
+        set_deterministic(cfg.train.deterministic)
+        ray.data.DataContext.get_current().enable_progress_bars = progress
         return batch_dataset(cfg, ids["pad_id"], consumed=ckpt.read_latest_consumed(out, storage / name))
+
+    # Train applies these execution options to the shard it splits; built here, on the
+    # driver, so preserve_order (deterministic mode) really reaches the training stream.
+    ingest = DataConfig.default_ingest_options()
+    ingest.preserve_order = bool(cfg.train.deterministic)
 
     return TorchTrainer(
         train_loop_per_worker,
@@ -145,7 +155,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
             callbacks=callbacks or None,
         ),
         datasets={"train": dataset_fn},
-        dataset_config=LosslessDataConfig(),
+        dataset_config=LosslessDataConfig(execution_options=ingest),
     )
 
 
