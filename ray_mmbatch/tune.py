@@ -21,6 +21,7 @@ from typing import Any
 from ray import tune
 
 from ray_mmbatch.config import Config, apply_overrides, save_config
+from ray_mmbatch.runlog import read_jsonl
 
 def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """The product of per-field value lists -> a list of settings ({"section.field": value})."""
@@ -32,7 +33,7 @@ def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
 
 def _trial_metrics(out_dir: Path, warmup_steps: int) -> dict[str, float]:
     """Throughput over the steps after warm-up, from the cumulative totals in metrics.jsonl."""
-    rows = [json.loads(ln) for ln in (out_dir / "metrics.jsonl").read_text().splitlines() if ln]
+    rows = read_jsonl(out_dir / "metrics.jsonl")
     if not rows:
         return {}
     start = max((r for r in rows if r["step"] <= warmup_steps), key=lambda r: r["step"], default=None)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config, apply_overrides, flatten
+from ray_mmbatch.runlog import read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 
 
@@ -118,8 +119,7 @@ class RunFiles:
         for name, p in self.paths.items():
             if name == "skipped" or not p.exists():
                 continue
-            keep = [ln for ln in p.read_text().splitlines() if ln and json.loads(ln).get("step", 0) <= step]
-            p.write_text("".join(k + "\n" for k in keep))
+            write_jsonl(p, [r for r in read_jsonl(p) if r.get("step", 0) <= step])
         if step == 0:
             for p in self.paths.values():
                 p.unlink(missing_ok=True)

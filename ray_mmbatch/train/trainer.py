@@ -18,6 +18,7 @@ from ray.train import DataConfig
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
+from ray_mmbatch.runlog import read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 
 
@@ -90,17 +91,10 @@ def tokenizer_ids(cfg: Config) -> dict[str, int]:
 
 def _merge_rank_files(out: Path) -> dict[str, int]:
     """batches.rank*.jsonl -> batches.jsonl; skipped.rank*.jsonl -> skipped.csv (deduplicated by id)."""
-    lines = []
-    for p in sorted(out.glob("batches.rank*.jsonl")):
-        lines += [json.loads(ln) for ln in p.read_text().splitlines() if ln]
+    lines = [r for p in sorted(out.glob("batches.rank*.jsonl")) for r in read_jsonl(p)]
     lines.sort(key=lambda r: (r["step"], r["rank"]))
-    (out / S.RUN_BATCHES).write_text("".join(json.dumps(r) + "\n" for r in lines))
-    skipped: dict[str, str] = {}
-    for p in sorted(out.glob("skipped.rank*.jsonl")):
-        for ln in p.read_text().splitlines():
-            if ln:
-                r = json.loads(ln)
-                skipped[r["sample_id"]] = r["reason"]
+    write_jsonl(out / S.RUN_BATCHES, lines)
+    skipped = {r["sample_id"]: r["reason"] for p in sorted(out.glob("skipped.rank*.jsonl")) for r in read_jsonl(p)}
     counts: dict[str, int] = {}
     with open(out / S.RUN_SKIPPED, "w", newline="") as f:
         w = csv.writer(f)
@@ -188,8 +182,5 @@ def run_training(cfg: Config) -> dict[str, Any]:
 
 
 def _final_loss(out: Path) -> float | None:
-    p = out / S.RUN_METRICS
-    if not p.exists():
-        return None
-    losses = [json.loads(ln)["loss"] for ln in p.read_text().splitlines() if ln]
-    return losses[-1] if losses else None
+    rows = read_jsonl(out / S.RUN_METRICS)
+    return rows[-1]["loss"] if rows else None
