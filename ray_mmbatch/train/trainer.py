@@ -74,9 +74,10 @@ def connect(num_cpus: int | None = None) -> None:
             print(f"[ray_mmbatch] no cluster answers at {address} (stale); starting one here", flush=True)
     if not started:
         # Actor pools hold their CPU slots for the whole run; with only as many slots as
-        # cores (2 here) they can leave the read no slot at all and the stream stalls.
-        # Logical slots over the core count only let the stages interleave.
-        ray.init("local", num_cpus=num_cpus or max(os.cpu_count() or 2, 4), include_dashboard=False, **kw)
+        # cores (2 here) they can leave the read, a Train worker or a Tune trial no slot
+        # and the stream stalls. Logical slots over the core count only let the stages
+        # interleave (the pools are capped by data.preprocess_workers anyway).
+        ray.init("local", num_cpus=max(num_cpus or 0, os.cpu_count() or 2, 8), include_dashboard=False, **kw)
     # progress bars only for a person at a terminal; logs stay readable
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
 
@@ -156,7 +157,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 def run_training(cfg: Config) -> dict[str, Any]:
     """Train; return and write OUTPUT_DIR/summary.json."""
     t0 = time.time()
-    connect(num_cpus=max(os.cpu_count() or 2, int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 3))
+    connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
     result = build_trainer(cfg).fit()
     out = Path(cfg.train.output_dir)
     skipped = _merge_rank_files(out)
