@@ -39,7 +39,6 @@ def _pad_greedy(tokens, patches, images, budget: Budget) -> list[list[int]]:
     limit_end = ends_by_additive_limits(None, None, patches, images, budget)
     row_cap = budget.pad_rows_cap(tokens).tolist()
     batches, i, n = [], 0, len(tokens)
-    t = tokens.tolist()
     while i < n:
         hard_end = max(int(limit_end(i)), i + 1)
         j, cap = i + 1, row_cap[i]
