@@ -37,14 +37,12 @@ Figures, command and analysis: benchmarks/RESULTS.md ("## Learning from images")
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import tempfile
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
@@ -53,11 +51,12 @@ from ray_mmbatch.batching import Budget, collate_pack, plan_batches_arrays
 from ray_mmbatch.config import BudgetConfig, Config
 from ray_mmbatch.data.draw import COLOURS, SHAPES
 from ray_mmbatch.data.generate import generate_dataset
-from ray_mmbatch.data.measure import fit_batch_to_budget, materialize_sample, measure_batch
-from ray_mmbatch.data.sources import parquet_rows
+from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer, special_ids
 from ray_mmbatch.model import build_model, count_parameters
 from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step, token_loss_sum
+
+from common import read_measured  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 
 CAPTION_PROMPTS = (S.IMAGE_PLACEHOLDER, f"{S.IMAGE_PLACEHOLDER}\nWrite a short caption for this picture.")
 CATEGORIES = ("caption", "conversation")
@@ -70,16 +69,8 @@ def read_measured_rows(data_dir: str, cfg: Config, tok, fit: BudgetConfig) -> li
     ``fit`` is the project's oversize policy (truncate the text after the image): it caps
     long conversations, whose later turns mostly repeat answers already in the context.
     """
-    files = sorted(glob.glob(os.path.join(data_dir, "**", "*.parquet"), recursive=True))
-    if not files:
-        raise FileNotFoundError(f"no .parquet files under {data_dir}")
-    rows = []
-    for f in files:
-        raw = parquet_rows(pq.read_table(f), cfg.data, file_name=f)
-        batch = {c: raw.column(c).to_pylist() for c in raw.column_names}
-        m = fit_batch_to_budget(measure_batch(batch, cfg.image, tok, cfg.text), fit)
-        rows += [{c: m[c][i] for c in m} for i in range(len(m[S.SAMPLE_ID]))]
-    return rows
+    m = read_measured(data_dir, cfg, tok, fit)
+    return [{c: m[c][i] for c in m} for i in range(len(m[S.SAMPLE_ID]))]
 
 
 def scene_category(row: dict) -> str:

@@ -36,7 +36,6 @@ Figures, the exact command and the analysis are in benchmarks/RESULTS.md
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -44,7 +43,6 @@ import tempfile
 import time
 
 import numpy as np
-import pyarrow.parquet as pq
 import torch
 import torch.nn.functional as F
 
@@ -52,12 +50,13 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.batching import collate_pack, collate_pad
 from ray_mmbatch.config import BudgetConfig, Config
 from ray_mmbatch.data.generate import generate_dataset
-from ray_mmbatch.data.measure import fit_batch_to_budget, materialize_sample, measure_batch
-from ray_mmbatch.data.sources import parquet_rows
+from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer
 from ray_mmbatch.model import build_model, layers
 from ray_mmbatch.pipeline import plan_rows
 from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step
+
+from common import read_measured  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 
 FIXED_BATCH_SIZE = 32
 WARMUP_STEPS = 2
@@ -81,26 +80,6 @@ def reset_peak_rss() -> bool:
 
 
 # ------------------------------------------------------------------ data
-def read_measured(data_dir: str, cfg: Config, tok) -> dict:
-    """Every parquet file under ``data_dir`` -> one MEASURED batch (budget / oversize policy applied)."""
-    files = sorted(glob.glob(os.path.join(data_dir, "**", "*.parquet"), recursive=True))
-    if not files:
-        raise FileNotFoundError(f"no .parquet files under {data_dir}")
-    cols: dict[str, list] = {}
-    for f in files:
-        raw = parquet_rows(pq.read_table(f), cfg.data, file_name=f)
-        for c in raw.column_names:
-            cols.setdefault(c, []).extend(raw[c].to_pylist())
-    batch = {c: _object_array(v) for c, v in cols.items()}
-    return fit_batch_to_budget(measure_batch(batch, cfg.image, tok, cfg.text), cfg.budget)
-
-
-def _object_array(values: list) -> np.ndarray:
-    out = np.empty(len(values), dtype=object)
-    out[:] = values
-    return out
-
-
 def materialize_all(measured: dict, cfg: Config) -> tuple[dict[str, dict], list[tuple[str, str]]]:
     """sample_id -> materialized sample (arrival order kept), and [(id, reason)] of every skipped one."""
     from ray_mmbatch.data.image import ImageSkip
@@ -271,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.data:
             generate_dataset(tmp, args.samples, "parquet", seed=args.seed)
         t0 = time.perf_counter()
-        measured = read_measured(data_dir, cfg, tok)
+        measured = read_measured(data_dir, cfg, tok, cfg.budget)
         samples, skipped = materialize_all(measured, cfg)
     prep_s = time.perf_counter() - t0
     lens = np.array([len(s["input_ids"]) for s in samples.values()])
