@@ -19,8 +19,12 @@ vs the budget, tokens truncated:
   (b) every sample padded / truncated to 512 tokens, 4 per batch
   (c) greedy token budget in arrival order (pack and pad)
   (d) our planners, pad and pack mode, windows 512 / 2048 / 8192, each window
-      planned on its own exactly as the pipeline does
-  (e) planner speed, samples/s on one core (window 2048)
+      planned on its own (the pipeline with budget.carry = 0)
+  (e) the same planners with carry (batching/carry.py, the pipeline default):
+      under-filled batches held back into the next window, capped at a fraction
+      of the window; reports the samples held after each window (mean / max)
+      and the most windows any sample waited
+  (f) planner speed, samples/s on one core (window 2048), with and without carry
 
     python benchmarks/bench_packing.py [--n 65536] [--json PATH]
 """
@@ -34,6 +38,7 @@ import time
 import numpy as np
 
 from ray_mmbatch.batching import ALGORITHMS, Budget, plan_batches_arrays, plan_stats_arrays
+from ray_mmbatch.batching.carry import CarryPlanner, resolve_carry
 
 MAX_TOKENS = 16384
 
@@ -62,7 +67,8 @@ def _row(name, st, truncated=0, speed=None):
     return {"strategy": name, "fill": st["fill"], "budget_fill": st["budget_fill"],
             "n_batches": st["n_batches"], "lower_bound": st["lower_bound_batches"],
             "largest_vs_budget": st["max_batch_cost_ratio"], "truncated_tokens": int(truncated),
-            "window_lower_bound": st.get("window_lower_bound"), "samples_per_s": speed}
+            "window_lower_bound": st.get("window_lower_bound"), "samples_per_s": speed,
+            "carry": st.get("carry")}
 
 
 def _fixed_rows(tokens, rows, width=None):
@@ -94,12 +100,36 @@ def _windowed(tokens, patches, images, budget, window, algorithm):
     return st
 
 
-def _speed(tokens, patches, images, budget, algorithm, window=2048, min_s=1.0):
+def _carried(tokens, patches, images, budget, window, algorithm, carry=None):
+    """Plan the stream with CarryPlanner exactly as the pipeline's plan stage does."""
+    planner = CarryPlanner(budget, algorithm, carry)
+    batches, held, waited = [], [], {}
+    for s in range(0, len(tokens), window):
+        sl = slice(s, s + window)
+        batches += planner.feed(list(range(s, min(s + window, len(tokens)))), tokens[sl],
+                                patches[sl], images[sl], seed=s)
+        held.append(len(planner.held))
+        for i in planner.held:
+            waited[i] = waited.get(i, 0) + 1
+    batches += planner.flush(seed=len(tokens))
+    st = plan_stats_arrays(tokens, patches, images, batches, budget)
+    assert st["n_samples"] == len(tokens) == len({i for b in batches for i in b}), "lossless"
+    st["carry"] = {"cap": resolve_carry(budget.mode, carry), "held_mean": float(np.mean(held)),
+                   "held_max": int(max(held)), "max_windows_waited": max(waited.values(), default=0)}
+    return st
+
+
+def _speed(tokens, patches, images, budget, algorithm, window=2048, min_s=1.0, carry=False):
     done, t0, s = 0, time.perf_counter(), 0
+    planner = CarryPlanner(budget, algorithm) if carry else None
     while time.perf_counter() - t0 < min_s:
         sl = slice(s, s + window)
-        plan_batches_arrays(tokens[sl], patches[sl], images[sl], budget, seed=0,
-                            algorithm=algorithm)
+        if planner is not None:
+            planner.feed(range(sl.start, sl.start + len(tokens[sl])), tokens[sl], patches[sl],
+                         images[sl], seed=0)
+        else:
+            plan_batches_arrays(tokens[sl], patches[sl], images[sl], budget, seed=0,
+                                algorithm=algorithm)
         done += len(tokens[sl])
         s = (s + window) % (len(tokens) - window)
     return done / (time.perf_counter() - t0)
@@ -131,9 +161,16 @@ def main(argv=None):
         b = Budget(MAX_TOKENS, mode)
         for algo in algos:
             speed = _speed(tokens, patches, images, b, algo, min_s=args.speed_seconds)
-            for window in (512, 2048, 8192):
+            # 2560: is carry just a bigger window? (carry plans 2048 new + its held samples)
+            for window in (512, 2048, 8192) + ((2560,) if algo == algos[0] else ()):
                 st = _windowed(tokens, patches, images, b, window, algo)
                 rows.append(_row(f"(d) {mode} {algo} w={window}", st,
+                                 speed=speed if window == 2048 else None))
+        for algo in algos[:1] + (["pad_optimal_split"] if mode == "pad" else []):
+            speed = _speed(tokens, patches, images, b, algo, min_s=args.speed_seconds, carry=True)
+            for window in (512, 2048, 8192):
+                st = _carried(tokens, patches, images, b, window, algo)
+                rows.append(_row(f"(e) {mode} {algo} + carry w={window}", st,
                                  speed=speed if window == 2048 else None))
     print(f"n={args.n} samples, sum tokens={int(tokens.sum())}, mean={tokens.mean():.0f}, "
           f"max_tokens={MAX_TOKENS}")
@@ -142,7 +179,9 @@ def main(argv=None):
     for r in rows:
         sp = f"{r['samples_per_s']:10.0f}" if r["samples_per_s"] else f"{'':10s}"
         print(f"{r['strategy']:52s} {r['fill']:7.2%} {r['budget_fill']:7.2%} {r['n_batches']:8d} "
-              f"{r['lower_bound']:6d} {r['window_lower_bound'] or '':>7} {r['largest_vs_budget']:8.2f} {r['truncated_tokens']:9d} {sp}")
+              f"{r['lower_bound']:6d} {r['window_lower_bound'] or '':>7} {r['largest_vs_budget']:8.2f} {r['truncated_tokens']:9d} {sp}"
+              + (" held mean {held_mean:.0f} max {held_max} (cap {cap:.0%}), waited <= {max_windows_waited}"
+                 .format(**r["carry"]) if r["carry"] else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"n": args.n, "seed": args.seed, "max_tokens": MAX_TOKENS,

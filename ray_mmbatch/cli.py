@@ -21,7 +21,7 @@ FLAGS: dict[str, str] = {
     "--tokenizer": "text.tokenizer",
     "--mode": "budget.mode", "--max-tokens": "budget.max_tokens", "--max-patches": "budget.max_patches",
     "--max-images": "budget.max_images", "--max-samples": "budget.max_samples",
-    "--attn-weight": "budget.attn_weight", "--algorithm": "budget.algorithm", "--window": "budget.window",
+    "--attn-weight": "budget.attn_weight", "--algorithm": "budget.algorithm", "--window": "budget.window", "--carry": "budget.carry",
     "--oversize": "budget.oversize",
     "--patch-size": "image.patch_size", "--merge-size": "image.merge_size",
     "--min-pixels": "image.min_pixels", "--max-pixels": "image.max_pixels",

@@ -62,7 +62,10 @@ class BudgetConfig:
     algorithm: str = ""
     """Planner algorithm name (batching registry); empty = the measured default for the mode."""
     window: int = 2048
-    """Samples planned together; each window is planned on its own so no sample is ever carried and lost."""
+    """New samples planned together in one planning step of the stream."""
+    carry: float | None = None
+    """Under-filled batches held back into the next window, at most this fraction of the window
+    (None = the measured default: pack 0.05, pad 0.10; 0 = plan every window on its own)."""
     oversize: str = "truncate"
     """Samples that fit no batch alone: 'truncate' the text to fit, or 'skip' them with a counted reason."""
 
@@ -186,7 +189,15 @@ def _coerce(value: Any, current: Any, name: str) -> Any:
     if value is None or current is None:
         if isinstance(value, str) and value.lower() in ("none", "null", ""):
             return None
-        return int(value) if isinstance(value, str) and value.lstrip("-").isdigit() else value
+        if isinstance(value, str):  # every None-default field is numeric: "3" -> 3, "0.05" -> 0.05
+            try:
+                return int(value)
+            except ValueError:
+                try:
+                    return float(value)
+                except ValueError:
+                    return value
+        return value
     return type(current)(value)
 
 

@@ -6,18 +6,23 @@
       .map_batches(MeasureStage)     + token ids, grids, costs, skip_reason; oversize policy applied
       .filter(not yet trained)       resume: samples trained before the checkpoint are dropped before
                                      planning, so none of their pixels is decoded
-      .map_batches(plan_rows,        one PLAN row per batch; each window of `budget.window` samples is
-                   batch_size=W)     planned on its own (see below)
+      .map_batches(CarryPlanStage,   one PLAN row per batch; windows of `budget.window` samples, under-
+                   batch_size=W)     filled batches held back into the next window (see below)
       .map_batches(MaterializeStage, one BATCH row per batch: decode + resize + patchify + collate
                    batch_size=1)
       .repartition(1 row per block)  so Train's split can hand batches to ranks one by one
 
 End of stream: Ray Data gives a map stage no end-of-stream hook, so a buffer carried
-from one window to the next would lose its leftovers when the stream ends. We do not
-carry anything: every window (and the short tail window Ray hands each task at its
-end) is planned completely on its own, so no sample can be lost; the price is some
-fill at window boundaries, which benchmarks/bench_packing.py measures per window size
-(see benchmarks/RESULTS.md).
+from one window to the next would lose its leftovers when the stream ends. We make
+the end visible instead: the readers append one end-of-stream row after the last
+read unit (readers.py), and the plan stage is ONE actor (CarryPlanStage) running
+batching.CarryPlanner, which holds back at most `budget.carry` x window samples in
+under-filled batches and flushes them in the window that holds the end row. With
+preserve_order (deterministic mode, the default) that row is the last one, so the
+carry works across the whole epoch; if it ever comes early, the planner holds
+nothing after it, so no order can lose a sample. `budget.carry = 0` plans every
+window on its own with a stateless task (plan_rows) and no end row. Fill per window
+size, with and without carry: benchmarks/bench_packing.py (benchmarks/RESULTS.md).
 
 Skipped samples travel with the data: the skip list of a window rides on the first
 batch of that window (a window with no usable sample emits one empty batch just to
@@ -72,31 +77,86 @@ def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v[i] for k, v in batch.items()} for i in range(n)]
 
 
-def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch: int) -> dict[str, list]:
-    """Plan one window of MEASURED rows into PLAN rows (pure; the Ray stage calls this)."""
-    from ray_mmbatch.batching import Budget, plan_batches_arrays
+def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[list[str]], str, bool]:
+    """(usable rows, [id, reason] of skipped rows, window key, end-of-stream seen) of one window."""
+    from ray_mmbatch.readers import is_end_marker
 
     rows = _rows(batch)
-    window_key = str(rows[0][S.SAMPLE_ID]) if rows else "empty"
-    ok = [r for r in rows if not r[S.SKIP_REASON]]
+    end = any(is_end_marker(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows)
+    if end:
+        rows = [r for r in rows if not is_end_marker(r[S.SAMPLE_ID], r[S.SKIP_REASON])]
+    window_key = str(rows[0][S.SAMPLE_ID]) if rows else ("end" if end else "empty")
+    ok = [_plain(r) for r in rows if not r[S.SKIP_REASON]]
     skipped = [[str(r[S.SAMPLE_ID]), str(r[S.SKIP_REASON])] for r in rows if r[S.SKIP_REASON]]
-    groups: list[list[int]] = []
-    if ok:
-        tokens = np.array([int(r[S.TOKENS]) for r in ok], dtype=np.int64)
-        patches = np.array([int(r[S.PATCHES]) for r in ok], dtype=np.int64)
-        images = np.array([int(r[S.N_IMAGES]) for r in ok], dtype=np.int64)
-        groups = plan_batches_arrays(tokens, patches, images, Budget.from_config(budget_cfg),
-                                     seed=window_seed(seed, epoch, window_key), algorithm=budget_cfg.algorithm)
-    if not groups:
-        groups = [[]]  # carries the window's skip list
+    return ok, skipped, window_key, end
+
+
+def _costs(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.array([int(r[k]) for r in rows], dtype=np.int64) for k in (S.TOKENS, S.PATCHES, S.N_IMAGES))
+
+
+def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key: str) -> dict[str, list]:
+    """PLAN rows: one per group of measured rows; the window's skip list rides on the first one
+    (a window that emits no batch but skipped samples emits one empty batch to carry them)."""
+    if not groups and skipped:
+        groups = [[]]
     out: dict[str, list] = {S.BATCH_ID: [], S.BATCH_SAMPLE_IDS: [], PLAN: [], S.BATCH_SKIPPED: []}
-    for j, group in enumerate(groups):
-        members = [ok[i] for i in group]
+    for j, members in enumerate(groups):
         out[S.BATCH_ID].append(f"e{epoch}/{window_key}/{j}")
         out[S.BATCH_SAMPLE_IDS].append([str(r[S.SAMPLE_ID]) for r in members])
-        out[PLAN].append(pickle.dumps([_plain(r) for r in members], protocol=5))
+        out[PLAN].append(pickle.dumps(members, protocol=5))
         out[S.BATCH_SKIPPED].append(json.dumps(skipped if j == 0 else []))
     return out
+
+
+def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch: int) -> dict[str, list]:
+    """Plan one window of MEASURED rows on its own into PLAN rows (carry = 0; stateless task)."""
+    from ray_mmbatch.batching import Budget, plan_batches_arrays
+
+    ok, skipped, window_key, _ = _split_window(batch)
+    groups: list[list[dict]] = []
+    if ok:
+        plan = plan_batches_arrays(*_costs(ok), Budget.from_config(budget_cfg),
+                                   seed=window_seed(seed, epoch, window_key), algorithm=budget_cfg.algorithm)
+        groups = [[ok[i] for i in g] for g in plan]
+    return _plan_output(groups, skipped, epoch, window_key)
+
+
+class CarryPlanStage:
+    """The plan stage with carry: ONE actor holds back under-filled batches into the next window.
+
+    Runs as an actor pool of exactly one actor (one carry, windows in stream order). The
+    readers append an end-of-stream row (schema.END_OF_STREAM_ID) after the last sample;
+    the window holding it flushes the carry. If that row ever arrives early (no
+    preserve_order), CarryPlanner holds nothing after the flush, so later windows are
+    planned on their own: order affects fill, never correctness.
+
+    An actor restarted by Ray (node or process failure) has lost what it held: it raises on
+    its first call instead of finishing an epoch without those samples. Training then fails
+    over and rebuilds the stream without the samples already trained (train/trainer.py),
+    so the held-back samples are planned again.
+    """
+
+    def __init__(self, budget_cfg: BudgetConfig, seed: int, epoch: int):
+        from ray_mmbatch.batching import Budget
+        from ray_mmbatch.batching.carry import CarryPlanner
+
+        self.seed, self.epoch = seed, epoch
+        self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
+        ctx = ray.get_runtime_context() if ray.is_initialized() else None
+        self.restarted = bool(ctx is not None and ctx.get_actor_id() and ctx.was_current_actor_reconstructed)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        if self.restarted:
+            raise RuntimeError(
+                "the carry plan actor was restarted, so the samples it held back for the next window are "
+                "gone from this epoch's stream; failing the stream rather than dropping them (a training run "
+                "restores from its checkpoint and re-plans every sample not yet trained)")
+        ok, skipped, window_key, end = _split_window(batch)
+        groups = self.planner.feed(ok, *_costs(ok), seed=window_seed(self.seed, self.epoch, window_key))
+        if end:
+            groups += self.planner.flush(seed=window_seed(self.seed, self.epoch, window_key + "/end"))
+        return _plan_output(groups, skipped, self.epoch, window_key)
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
@@ -169,13 +229,21 @@ def _stage_args(cfg: Config) -> dict[str, Any]:
     return {}
 
 
-def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True):
-    """read -> measure (-> oversize policy). One MEASURED row per sample read."""
+def uses_carry(budget_cfg: BudgetConfig) -> bool:
+    from ray_mmbatch.batching.carry import resolve_carry
+
+    return resolve_carry(budget_cfg.mode, budget_cfg.carry) > 0
+
+
+def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end_marker: bool = False):
+    """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
+
+    Epochs after the first read their units (row groups / shards / chunks) in a seeded order.
+    """
     from ray_mmbatch.readers import read_raw
 
-    ds = read_raw(cfg.data.path, cfg.data)
-    if cfg.train.seed is not None and epoch > 0:
-        ds = ds.randomize_block_order(seed=cfg.train.seed + epoch)
+    shuffle = cfg.train.seed + epoch if cfg.train.seed is not None and epoch > 0 else None
+    ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=shuffle, end_marker=end_marker)
     return ds.map_batches(
         MeasureStage, batch_size=cfg.data.measure_batch, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget if apply_budget else None),
@@ -193,13 +261,23 @@ def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epochs
     """
     consumed = frozenset(consumed)
     datasets = []
+    carry = uses_carry(cfg.budget)
     for epoch in range(cfg.train.epochs if epochs is None else epochs):
-        measured = measured_dataset(cfg, epoch)
+        measured = measured_dataset(cfg, epoch, end_marker=carry)
         if consumed and epoch == 0:
             measured = measured.filter(lambda r, c=consumed: r[S.SAMPLE_ID] not in c)
-        plans = measured.map_batches(
-            plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
-            fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **_stage_args(cfg))
+        if carry:  # one actor: one carry, fed the windows in stream order
+            plans = measured.map_batches(
+                CarryPlanStage, batch_size=cfg.budget.window, batch_format="numpy",
+                fn_constructor_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS,
+                compute=ray.data.ActorPoolStrategy(size=1),
+                # Ray Data lets actor tasks run out of order by default; the carry needs
+                # windows in the order they were submitted (stream order).
+                allow_out_of_order_execution=False, **_stage_args(cfg))
+        else:
+            plans = measured.map_batches(
+                plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
+                fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **_stage_args(cfg))
         datasets.append(plans.map_batches(
             MaterializeStage, batch_size=1, batch_format="numpy",
             fn_constructor_args=(cfg.image, cfg.budget, pad_id),

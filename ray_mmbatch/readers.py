@@ -5,13 +5,18 @@ Thin shell over data/sources.py, one Ray read per format:
     parquet     ray.data.read_parquet (only the id/image/text columns) + map_batches(parquet_rows);
                 files without the id column are read per row group instead, so each row
                 gets its exact "<file>:<row>" id
-    webdataset  ray.data.read_binary_files over *.tar + map_batches(webdataset_samples), one
-                tar per call (a shard is held in memory once while it is split into rows)
+    webdataset  one *.tar per call, read with open() + map_batches(webdataset_samples) (a
+                shard is held in memory once while it is split into rows)
     llava       the JSON is read on the driver (it is one list), sent as chunks of
                 LLAVA_CHUNK records with ray.data.from_items; workers read the image files
 
-Files are sorted, so with DataContext.execution_options.preserve_order the
-row order is the same every run. Adapters return Arrow tables with a fixed
+Every format is read as a list of read units (row groups, tar files, JSON
+chunks) handed to ray.data.from_items, so the unit order is ours: files are
+sorted, ``shuffle_seed`` permutes the units (epochs after the first), and
+``end_marker`` appends one unit that yields the schema.END_OF_STREAM_ID row
+after everything else (the carry planner's end-of-stream signal; with
+DataContext.execution_options.preserve_order it is the last row out).
+With preserve_order the row order is the same every run. Adapters return Arrow tables with a fixed
 schema, so a block of text-only rows still has list<binary> images.
 """
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import random
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -73,31 +79,64 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[str]]:
 
 
 # -------------------------------------------------------------- adapters
+def end_marker_row() -> dict:
+    """The RAW end-of-stream row (see schema.END_OF_STREAM)."""
+    return {schema.SAMPLE_ID: schema.END_OF_STREAM_ID, schema.CONVERSATIONS: "[]", schema.IMAGES: [],
+            schema.IMAGE_REFS: [], schema.READ_ERROR: schema.END_OF_STREAM}
+
+
+def is_end_marker(sample_id, reason) -> bool:
+    return str(sample_id) == schema.END_OF_STREAM_ID and str(reason) == schema.END_OF_STREAM
+
+
 def _parquet_row_group(units: pa.Table, data_cfg: DataConfig, columns: list[str]) -> pa.Table:
     tables = []
     for unit in units.to_pylist():
+        if unit["end"]:
+            tables.append(rows_to_table([end_marker_row()]))
+            continue
         part = pq.ParquetFile(unit["path"]).read_row_group(unit["row_group"], columns=columns)
         tables.append(parquet_rows(part, data_cfg, file_name=os.path.basename(unit["path"]),
                                    row_offset=unit["row_offset"]))
     return pa.concat_tables(tables)
 
 
-def _webdataset_batch(batch: pa.Table) -> pa.Table:
+def _webdataset_batch(units: pa.Table) -> pa.Table:
     rows = []
-    for data, path in zip(batch.column("bytes").to_pylist(), batch.column("path").to_pylist()):
-        rows += webdataset_samples(data, os.path.basename(path))
+    for unit in units.to_pylist():
+        if unit["end"]:
+            rows.append(end_marker_row())
+            continue
+        with open(unit["path"], "rb") as f:
+            data = f.read()
+        rows += webdataset_samples(data, os.path.basename(unit["path"]))
     return rows_to_table(rows)
 
 
 def _llava_batch(chunks: pa.Table, image_root: str, file_name: str) -> pa.Table:
     rows = []
-    for offset, records in zip(chunks.column("row_offset").to_pylist(), chunks.column("records").to_pylist()):
-        rows += llava_rows(json.loads(records), image_root, file_name=file_name, row_offset=offset)
+    for unit in chunks.to_pylist():
+        if unit["end"]:
+            rows.append(end_marker_row())
+            continue
+        rows += llava_rows(json.loads(unit["records"]), image_root, file_name=file_name,
+                           row_offset=unit["row_offset"])
     return rows_to_table(rows)
 
 
+def _units_dataset(units: list[dict], blocks: int | None, shuffle_seed: int | None,
+                   end_marker: bool) -> ray.data.Dataset:
+    """Read units -> a from_items Dataset: optionally permuted, optionally + the end-marker unit."""
+    if shuffle_seed is not None:
+        units = random.Random(shuffle_seed).sample(units, len(units))
+    units = [dict(u, end=False) for u in units]
+    if end_marker:
+        units.append(dict(units[-1], end=True) if units else {"end": True})
+    return ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
+
+
 # ----------------------------------------------------------------- reads
-def _read_parquet(files: list[str], data_cfg: DataConfig, blocks: int | None) -> ray.data.Dataset:
+def _read_parquet(files: list[str], data_cfg: DataConfig, blocks: int | None, **unit_args) -> ray.data.Dataset:
     names = pq.read_schema(files[0]).names
     if data_cfg.text_column not in names:
         raise ValueError(f"{files[0]}: text column {data_cfg.text_column!r} not found; columns are {names} "
@@ -112,17 +151,17 @@ def _read_parquet(files: list[str], data_cfg: DataConfig, blocks: int | None) ->
         for g in range(meta.num_row_groups):
             units.append({"path": f, "row_group": g, "row_offset": offset})
             offset += meta.row_group(g).num_rows
-    ds = ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
+    ds = _units_dataset(units, blocks, **unit_args)
     return ds.map_batches(_parquet_row_group, fn_kwargs={"data_cfg": data_cfg, "columns": columns},
                           batch_format="pyarrow", batch_size=1)
 
 
-def _read_webdataset(files: list[str], blocks: int | None) -> ray.data.Dataset:
-    ds = ray.data.read_binary_files(files, include_paths=True, override_num_blocks=blocks)
+def _read_webdataset(files: list[str], blocks: int | None, **unit_args) -> ray.data.Dataset:
+    ds = _units_dataset([{"path": f} for f in files], blocks, **unit_args)
     return ds.map_batches(_webdataset_batch, batch_format="pyarrow", batch_size=1)
 
 
-def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None) -> ray.data.Dataset:
+def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None, **unit_args) -> ray.data.Dataset:
     if len(files) != 1:
         raise ValueError(f"LLaVA format reads one JSON file, got {len(files)}: {files[:3]}")
     path = files[0]
@@ -142,22 +181,25 @@ def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None) -> r
     chunks = [{"row_offset": i, "records": json.dumps(records[i:i + LLAVA_CHUNK], ensure_ascii=True)}
               for i in range(0, len(records), LLAVA_CHUNK)]
     root = data_cfg.image_root or os.path.dirname(os.path.abspath(path))
-    ds = ray.data.from_items(chunks, override_num_blocks=min(len(chunks), blocks or len(chunks)) or 1)
+    ds = _units_dataset(chunks, blocks, **unit_args)
     return ds.map_batches(_llava_batch, fn_kwargs={"image_root": root, "file_name": os.path.basename(path)},
                           batch_format="pyarrow", batch_size=1)
 
 
-def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None) -> ray.data.Dataset:
+def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
+             shuffle_seed: int | None = None, end_marker: bool = False) -> ray.data.Dataset:
     """A Dataset of RAW rows (schema.RAW_COLUMNS) for a Parquet / WebDataset / LLaVA path.
 
     ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
-    *.tar -> webdataset; a single file by its extension.
+    *.tar -> webdataset; a single file by its extension. ``shuffle_seed`` permutes the read
+    units; ``end_marker`` appends the end-of-stream row (see the module docstring).
     """
     fmt, files = resolve_files(path, data_cfg.format)
+    unit_args = {"shuffle_seed": shuffle_seed, "end_marker": end_marker}
     if fmt == "parquet":
-        ds = _read_parquet(files, data_cfg, override_num_blocks)
+        ds = _read_parquet(files, data_cfg, override_num_blocks, **unit_args)
     elif fmt == "webdataset":
-        ds = _read_webdataset(files, override_num_blocks)
+        ds = _read_webdataset(files, override_num_blocks, **unit_args)
     else:
-        ds = _read_llava(files, data_cfg, override_num_blocks)
+        ds = _read_llava(files, data_cfg, override_num_blocks, **unit_args)
     return ds.select_columns(list(schema.RAW_COLUMNS))

@@ -54,6 +54,12 @@ SKIP_EMPTY_TEXT = "empty_text"                    # nothing to train on (no targ
 SKIP_OVERSIZE = "oversize"                        # cannot fit any batch and policy is "skip"
 SKIP_TOO_MANY_IMAGES = "too_many_images"          # more images than max_images allows
 
+# End-of-stream marker: one RAW row the readers append after the last sample when
+# the plan stage carries batches across windows (batching/carry.py). It is not a
+# sample: it rides through measure as a read error and the plan stage removes it.
+END_OF_STREAM = "end_of_stream"                  # its READ_ERROR / SKIP_REASON value
+END_OF_STREAM_ID = "<|end_of_stream|>"           # its SAMPLE_ID
+
 # ---------------------------------------------------------------- PLAN row
 BATCH_ID = "batch_id"            # str: "<window key>/<index in window>", stable across runs in deterministic mode
 BATCH_SAMPLE_IDS = "sample_ids"  # list<str>

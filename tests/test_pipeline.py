@@ -48,12 +48,14 @@ def _cfg(path, fmt, **budget) -> Config:
     return cfg
 
 
-def _run(cfg: Config):
+def _run(cfg: Config, deterministic: bool = True):
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
 
-    set_deterministic(True)
-    rows = batch_dataset(cfg, tokenizer_ids(cfg)["pad_id"]).take_all()
-    return rows
+    set_deterministic(deterministic)
+    try:
+        return batch_dataset(cfg, tokenizer_ids(cfg)["pad_id"]).take_all()
+    finally:
+        set_deterministic(True)
 
 
 def _check_batch(row, cfg: Config) -> dict:
@@ -81,16 +83,17 @@ def _check_batch(row, cfg: Config) -> dict:
     return b
 
 
-@pytest.mark.parametrize("fmt,mode,extra", [
-    ("webdataset", "pack", {"max_patches": 3000, "max_images": 16}),
-    ("llava", "pad", {"max_samples": 8}),
-    ("parquet", "pack", {"max_images": 16, "attn_weight": 1e-4}),
+@pytest.mark.parametrize("fmt,mode,extra,deterministic", [
+    ("webdataset", "pack", {"max_patches": 3000, "max_images": 16}, True),       # default carry
+    ("llava", "pad", {"max_samples": 8, "carry": 0.5}, True),
+    ("parquet", "pack", {"max_images": 16, "attn_weight": 1e-4, "carry": 0.0}, True),  # stateless plan
+    ("parquet", "pad", {"carry": 0.5}, False),  # carry with no order guarantee (end row may come early)
 ])
-def test_every_sample_once_within_budget(ray_cluster, bad_datasets, fmt, mode, extra):
+def test_every_sample_once_within_budget(ray_cluster, bad_datasets, fmt, mode, extra, deterministic):
     path, manifest = bad_datasets(fmt)
     assert len(set(manifest["bad"].values())) >= 9 and manifest["valid_unusual"]
     cfg = _cfg(path, fmt, mode=mode, max_tokens=2048, **extra)
-    rows = _run(cfg)
+    rows = _run(cfg, deterministic)
     trained, skipped = [], {}
     for row in rows:
         if int(row[S.BATCH_N_SAMPLES]):
@@ -135,3 +138,50 @@ def test_resume_filter_drops_consumed_samples_before_planning(ray_cluster, bad_w
     assert consumed and rest
     assert sorted(rest + consumed) == sorted(sid for batch in full for sid in batch)
     assert not set(rest) & set(consumed)
+
+
+def test_carry_plans_across_windows_in_ray(ray_cluster, bad_webdataset):
+    """The carry stage really holds batches back across windows: fewer batches, more fill
+    than planning each window on its own, over exactly the same samples."""
+    path, _ = bad_webdataset
+    plans = {}
+    for carry in (0.0, 0.5):
+        cfg = _cfg(path, "webdataset", mode="pack", max_tokens=2048, carry=carry)
+        cfg.budget.window = 32
+        rows = [r for r in _run(cfg) if int(r[S.BATCH_N_SAMPLES])]
+        plans[carry] = (sorted(s for r in rows for s in r[S.BATCH_SAMPLE_IDS]), len(rows),
+                        sum(int(r[S.BATCH_REAL_TOKENS]) for r in rows) / sum(int(r[S.BATCH_PADDED_TOKENS]) for r in rows))
+    assert plans[0.5][0] == plans[0.0][0]
+    assert plans[0.5][1] < plans[0.0][1], plans
+    assert plans[0.5][2] > plans[0.0][2]
+
+
+def test_restarted_carry_actor_fails_loudly(ray_cluster):
+    """A plan actor that Ray restarted has lost its carry: it must raise, not go on short."""
+    import ray
+
+    from ray_mmbatch.pipeline import CarryPlanStage
+
+    @ray.remote(max_restarts=1, max_task_retries=0)
+    class Host:
+        def __init__(self):
+            self.stage = CarryPlanStage(Config().budget, 0, 0)
+
+        def plan(self, batch):
+            return self.stage(batch)
+
+        def pid(self):
+            import os
+            return os.getpid()
+
+    empty = {S.SAMPLE_ID: np.array([], dtype=object), S.SKIP_REASON: np.array([], dtype=object)}
+    host = Host.remote()
+    assert ray.get(host.plan.remote(empty))[S.BATCH_ID] == []
+    ray.kill(host, no_restart=False)
+    with pytest.raises(Exception, match="carry plan actor was restarted"):
+        for _ in range(50):  # calls fail with ActorDiedError until the restart is done
+            try:
+                ray.get(host.plan.remote(empty))
+            except ray.exceptions.RayActorError:
+                import time
+                time.sleep(0.2)
