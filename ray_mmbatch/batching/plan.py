@@ -6,9 +6,11 @@ streaming's shuffle registry style). Every planner here works in both modes; the
 defaults per mode were picked by measurement (benchmarks/bench_packing.py):
 
     pack: pack_best_fit_decreasing  99.43% fill at window 2048 (one batch over
-                                    the per-window bound in 32 windows), 1.9M/s
+                                    the per-window bound in 32 windows), 1.9M/s;
+                                    99.84% with carry (batching/carry.py)
     pad:  pad_sorted_buckets        98.24% padded fill at window 2048, minimum
-                                    batch count, 3M/s (the DP: +0.07 pt, 10x slower)
+                                    batch count, 3M/s (the DP: +0.07 pt, 10x slower);
+                                    98.53% with carry
 
 Contract: every index exactly once; every batch within every limit; a sample
 that cannot fit alone raises OversizeError (never dropped); same inputs + seed

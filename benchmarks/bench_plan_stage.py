@@ -1,0 +1,140 @@
+"""The plan stage in Ray: what carry buys end to end, and how fast one plan actor is.
+
+(a) Ray, the real pipeline (``pipeline.batch_dataset``: read -> measure -> plan ->
+    materialize, deterministic mode) over generated Parquet data, once with
+    ``budget.carry = 0`` (each window planned on its own by stateless tasks) and once
+    with the default carry (one CarryPlanStage actor + the readers' end-of-stream row).
+    Reported: batches, fill (real / padded tokens of the batches), wall time, and the
+    check that both runs deliver exactly the same sample ids, each once.
+(b) The ceiling of the one plan actor that carry needs: ``CarryPlanStage`` (and the
+    stateless ``plan_rows``) called in-process on numpy batches of measured rows of the
+    same data, window by window, as Ray calls them (rows split, planned, pickled into
+    PLAN rows). Reported: samples/s and MB/s of measured rows (image bytes included)
+    through one process; Ray's own per-block transfer is not included.
+
+    python benchmarks/bench_plan_stage.py [--data DIR] [--samples 4000] [--window 512]
+        [--max-tokens 4096] [--mode pack] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import read_measured  # noqa: E402
+
+from ray_mmbatch import schema as S  # noqa: E402
+from ray_mmbatch.config import Config  # noqa: E402
+
+
+def _ray_pass(cfg: Config, pad_id: int) -> dict:
+    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+
+    set_deterministic(True)
+    t0 = time.perf_counter()
+    rows = batch_dataset(cfg, pad_id).take_all()
+    wall = time.perf_counter() - t0
+    real = sum(int(r[S.BATCH_REAL_TOKENS]) for r in rows)
+    padded = sum(int(r[S.BATCH_PADDED_TOKENS]) for r in rows)
+    ids = [s for r in rows for s in r[S.BATCH_SAMPLE_IDS]]
+    skipped = [s for r in rows for s, _ in json.loads(r[S.BATCH_SKIPPED])]
+    assert len(ids) == len(set(ids)), "a sample arrived twice"
+    return {"batches": sum(1 for r in rows if int(r[S.BATCH_N_SAMPLES])), "fill": real / padded,
+            "real_tokens": real, "samples": len(ids), "skipped": len(skipped), "wall_s": wall,
+            "ids": sorted(ids + skipped)}
+
+
+def _actor_ceiling(measured: dict, cfg: Config, window: int, repeat: int) -> dict:
+    from ray_mmbatch.pipeline import PLAN, CarryPlanStage, plan_rows
+
+    n = len(measured[S.SAMPLE_ID])
+    nbytes = sum(len(b) for imgs in measured[S.IMAGES] for b in imgs) + \
+        sum(len(t) * 4 for t in measured[S.TEXT_IDS])
+    out = {}
+    for name in ("carry", "stateless"):
+        best = float("inf")
+        for _ in range(repeat):
+            stage = CarryPlanStage(cfg.budget, 0, 0) if name == "carry" else None
+            t0 = time.perf_counter()
+            planned = 0
+            for s in range(0, n, window):
+                batch = {k: v[s:s + window] for k, v in measured.items()}
+                res = stage(batch) if stage else plan_rows(batch, cfg.budget, 0, 0)
+                planned += sum(len(ids) for ids in res[S.BATCH_SAMPLE_IDS])
+                assert all(isinstance(p, bytes) for p in res[PLAN])
+            if stage:
+                planned += sum(len(g) for g in stage.planner.flush())
+            best = min(best, time.perf_counter() - t0)
+        out[name] = {"samples_per_s": n / best, "mb_per_s": nbytes / 2**20 / best, "planned": planned}
+    out["mb_per_sample"] = nbytes / 2**20 / n
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default="", help="Parquet folder (default: generate --samples)")
+    ap.add_argument("--samples", type=int, default=4000)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--mode", default="pack", choices=["pack", "pad"])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    from ray_mmbatch.data.generate import generate_dataset
+    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.train.trainer import tokenizer_ids
+
+    data = args.data
+    if not data:
+        data = tempfile.mkdtemp(prefix="bench_plan_")
+        generate_dataset(data, args.samples, "parquet", seed=0, shard_size=500, workers=2)
+    cfg = Config()
+    cfg.data.path, cfg.data.format = data, "parquet"
+    cfg.budget.mode, cfg.budget.max_tokens, cfg.budget.window = args.mode, args.max_tokens, args.window
+    pad_id = tokenizer_ids(cfg)["pad_id"]
+
+    ray.init("local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    runs = {}
+    try:
+        for carry in (0.0, None):
+            cfg.budget.carry = carry
+            runs["carry 0 (windows on their own)" if carry == 0 else "carry default"] = _ray_pass(cfg, pad_id)
+    finally:
+        ray.shutdown()
+    a, b = runs.values()
+    assert a["ids"] == b["ids"], "carry changed which samples arrive"
+    cfg.budget.carry = None
+    measured = read_measured(data, cfg, load_tokenizer(cfg.text.tokenizer), cfg.budget)
+    ceiling = _actor_ceiling(measured, cfg, args.window, args.repeat)
+
+    print(f"data {data}: {len(a['ids'])} samples read, mode {args.mode}, max_tokens {args.max_tokens}, "
+          f"window {args.window}")
+    print(f"{'(a) Ray pipeline':34s} {'batches':>8s} {'fill':>8s} {'samples':>8s} {'skipped':>8s} {'wall s':>7s}")
+    for name, r in runs.items():
+        print(f"    {name:30s} {r['batches']:8d} {r['fill']:8.2%} {r['samples']:8d} {r['skipped']:8d} "
+              f"{r['wall_s']:7.1f}")
+    print(f"(b) one process planning windows of {args.window} ({ceiling['mb_per_sample']:.3f} MB per measured row)")
+    for name in ("carry", "stateless"):
+        c = ceiling[name]
+        print(f"    {name:30s} {c['samples_per_s']:10.0f} samples/s {c['mb_per_s']:8.0f} MB/s")
+    if args.json:
+        for r in runs.values():
+            r.pop("ids")
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "ray": runs, "actor": ceiling}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
