@@ -117,7 +117,7 @@ class TrainConfig:
     max_steps: int = 60
     """Optimizer steps to run (0 = run all epochs)."""
     epochs: int = 1
-    """Passes over the data (the data path is re-planned with the epoch in the seed)."""
+    """Passes over the data, one after the other; each re-reads in its own order and re-plans with the epoch in the seed."""
     report_every: int = 5
     """Report metrics every N optimizer steps."""
     checkpoint_every: int = 20

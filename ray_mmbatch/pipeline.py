@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pickle
+import warnings
 from typing import Any, Iterable
 
 import numpy as np
@@ -252,40 +253,41 @@ def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end
     )
 
 
-def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epochs: int | None = None):
-    """The whole data path for training: one BATCH row per planned batch, epochs concatenated.
+def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epoch: int = 0):
+    """The whole data path of one epoch for training: one BATCH row per planned batch.
 
-    ``consumed`` holds the sample ids already trained (resume): they are filtered
-    out after measuring and before planning, so a resumed run decodes none of them
-    and re-plans only what is left, whatever window boundaries Ray Data draws.
+    ``consumed`` holds consumed_key(epoch, sample_id) of the samples already trained
+    (resume): this epoch's are filtered out after measuring and before planning, so a
+    resumed run decodes none of them and re-plans only what is left, whatever window
+    boundaries Ray Data draws. Epoch e reads its units in a seeded order and plans with
+    seeds of its own; batch ids start with ``e{epoch}/``.
     """
-    consumed = frozenset(consumed)
-    datasets = []
+    prefix = S.consumed_key(epoch, "")
+    done = frozenset(k[len(prefix):] for k in consumed if k.startswith(prefix))
     carry = uses_carry(cfg.budget)
-    for epoch in range(cfg.train.epochs if epochs is None else epochs):
-        measured = measured_dataset(cfg, epoch, end_marker=carry)
-        if consumed and epoch == 0:
-            measured = measured.filter(lambda r, c=consumed: r[S.SAMPLE_ID] not in c)
-        if carry:  # one actor: one carry, fed the windows in stream order
+    measured = measured_dataset(cfg, epoch, end_marker=carry)
+    if done:
+        measured = measured.filter(lambda r, c=done: r[S.SAMPLE_ID] not in c)
+    if carry:  # one actor: one carry, fed the windows in stream order
+        with warnings.catch_warnings():
+            # Ray Data lets actor tasks run out of order by default; the carry needs windows in
+            # the order they were submitted (stream order). Ray 2.60 takes this actor option only
+            # through **ray_remote_args, which it flags as deprecated (pyproject pins ray < 2.64).
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
             plans = measured.map_batches(
                 CarryPlanStage, batch_size=cfg.budget.window, batch_format="numpy",
                 fn_constructor_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS,
                 compute=ray.data.ActorPoolStrategy(size=1),
-                # Ray Data lets actor tasks run out of order by default; the carry needs
-                # windows in the order they were submitted (stream order).
                 allow_out_of_order_execution=False, **_stage_args(cfg))
-        else:
-            plans = measured.map_batches(
-                plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
-                fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **_stage_args(cfg))
-        datasets.append(plans.map_batches(
-            MaterializeStage, batch_size=1, batch_format="numpy",
-            fn_constructor_args=(cfg.image, cfg.budget, pad_id),
-            compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
-            **_stage_args(cfg)))
-    ds = datasets[0]
-    for other in datasets[1:]:
-        ds = ds.union(other)
+    else:
+        plans = measured.map_batches(
+            plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
+            fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **_stage_args(cfg))
+    ds = plans.map_batches(
+        MaterializeStage, batch_size=1, batch_format="numpy",
+        fn_constructor_args=(cfg.image, cfg.budget, pad_id),
+        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
+        **_stage_args(cfg))
     # One batch per block: Train's split hands out whole blocks, so a block holding a
     # window's worth of batches would starve the other ranks (streaming, no barrier).
     return ds.repartition(target_num_rows_per_block=1)

@@ -108,3 +108,14 @@ RUN_LEDGER = "ledger"            # folder: per-rank sample-id ledger files (opti
 # in TEXT_IDS; a different tokenizer gives a different id, so it cannot be a constant.
 IMAGE_TOKEN_ID = "image_token_id"  # int
 MEASURED_COLUMNS = MEASURED_COLUMNS + (IMAGE_TOKEN_ID,)
+
+
+# ---------------------------------------------------------------- epochs and resume
+def epoch_dataset_name(epoch: int) -> str:
+    """The Ray Train dataset name of one epoch's stream (one dataset per epoch, train/trainer.py)."""
+    return f"train_e{epoch}"
+
+
+def consumed_key(epoch: int, sample_id: str) -> str:
+    """What a checkpoint records for a trained sample: the sample id within its epoch."""
+    return f"e{epoch}:{sample_id}"

@@ -134,10 +134,16 @@ def test_resume_filter_drops_consumed_samples_before_planning(ray_cluster, bad_w
     pad_id = tokenizer_ids(cfg)["pad_id"]
     full = [list(r[S.BATCH_SAMPLE_IDS]) for r in batch_dataset(cfg, pad_id).take_all()]
     consumed = [sid for batch in full[::3] for sid in batch]
-    rest = [sid for r in batch_dataset(cfg, pad_id, consumed=consumed).take_all() for sid in r[S.BATCH_SAMPLE_IDS]]
+    keys = [S.consumed_key(0, sid) for sid in consumed] + [S.consumed_key(1, sid) for sid in full[1]]
+    rest = [sid for r in batch_dataset(cfg, pad_id, consumed=keys).take_all() for sid in r[S.BATCH_SAMPLE_IDS]]
     assert consumed and rest
     assert sorted(rest + consumed) == sorted(sid for batch in full for sid in batch)
     assert not set(rest) & set(consumed)
+    # epoch 1 has its own record: what epoch 0 trained is all there again
+    epoch1 = batch_dataset(cfg, pad_id, consumed=keys, epoch=1).take_all()
+    assert all(r[S.BATCH_ID].startswith("e1/") for r in epoch1)
+    assert sorted(s for r in epoch1 for s in r[S.BATCH_SAMPLE_IDS]) == sorted(
+        set(sid for batch in full for sid in batch) - set(full[1]))
 
 
 def test_carry_plans_across_windows_in_ray(ray_cluster, bad_webdataset):

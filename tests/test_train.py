@@ -42,12 +42,14 @@ def _cfg(data, out: Path, **train) -> Config:
     return cfg
 
 
-def ledger(out: Path) -> list[str]:
-    ids = []
-    for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl")):
-        for ln in p.read_text().splitlines():
-            ids += json.loads(ln)["sample_ids"]
-    return ids
+def ledger_rows(out: Path) -> list[dict]:
+    """Every ledger record of every rank: step, epoch, batch_id, sample_ids."""
+    return [json.loads(ln) for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl"))
+            for ln in p.read_text().splitlines()]
+
+
+def ledger(out: Path, epoch: int | None = None) -> list[str]:
+    return [sid for r in ledger_rows(out) if epoch is None or r["epoch"] == epoch for sid in r["sample_ids"]]
 
 
 def skipped(out: Path) -> dict[str, str]:
@@ -55,8 +57,8 @@ def skipped(out: Path) -> dict[str, str]:
         return {r["sample_id"]: r["reason"] for r in csv.DictReader(f)}
 
 
-def assert_exactly_once(out: Path, manifest: dict) -> None:
-    trained, skips = ledger(out), skipped(out)
+def assert_exactly_once(out: Path, manifest: dict, epoch: int = 0) -> None:
+    trained, skips = ledger(out, epoch), skipped(out)
     dupes = {s for s in trained if trained.count(s) > 1}
     assert not dupes, f"trained more than once: {sorted(dupes)[:5]}"
     assert not set(trained) & set(skips)
@@ -68,22 +70,28 @@ def assert_exactly_once(out: Path, manifest: dict) -> None:
 
 
 def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet, tmp_path):
-    """Two workers; the run stops at step 3, is re-run with the same name, resumes and
-    then a train worker is SIGKILLed at step 7: it restores and finishes, nothing lost or repeated."""
+    """Two workers, two epochs; the run stops at step 3, is re-run with the same name, resumes
+    and then a train worker is SIGKILLed at step 7: it restores and finishes. Every sample is
+    trained exactly once in each epoch, and no rank starts epoch 1 before epoch 0 is done."""
     from ray_mmbatch.train.trainer import run_training
 
     data, manifest = bad_parquet
     out = tmp_path / "run"
-    first = run_training(_cfg(data, out, num_workers=2, max_steps=3))
+    first = run_training(_cfg(data, out, num_workers=2, max_steps=3, epochs=2))
     assert first["steps"] == 3
     partial = ledger(out)
     assert partial and len(partial) == len(set(partial))
 
-    summary = run_training(_cfg(data, out, num_workers=2, max_steps=0, fault_at_step=7))
+    summary = run_training(_cfg(data, out, num_workers=2, max_steps=0, fault_at_step=7, epochs=2))
     assert (out / "fault_drill_done").read_text() == "7", "the fault drill did not fire"
     assert summary["steps"] > 7
-    assert_exactly_once(out, manifest)
-    assert set(partial) <= set(ledger(out))
+    assert_exactly_once(out, manifest, epoch=0)
+    assert_exactly_once(out, manifest, epoch=1)
+    rows = ledger_rows(out)
+    assert {r["epoch"] for r in rows} == {0, 1}
+    assert all(r["batch_id"].startswith(f"e{r['epoch']}/") for r in rows)
+    assert max(r["step"] for r in rows if r["epoch"] == 0) < min(r["step"] for r in rows if r["epoch"] == 1)
+    assert set(partial) <= set(ledger(out, 0))
     batches = [json.loads(ln) for ln in (out / S.RUN_BATCHES).read_text().splitlines()]
     assert {b["rank"] for b in batches} == {0, 1}
     assert all(b["real_tokens"] <= 2048 for b in batches)

@@ -133,12 +133,12 @@ class RunFiles:
 class Runner:
     """Owns the step loop: fetch micro-batches, agree on data, step, log, report, checkpoint."""
 
-    def __init__(self, cfg: Config, model, optimizer, scheduler, device, shard, rank: int, world: int,
+    def __init__(self, cfg: Config, model, optimizer, scheduler, device, shards: list, rank: int, world: int,
                  state: dict[str, Any] | None = None):
         from ray_mmbatch.train.step import optimizer_step
 
         self.cfg, self.model, self.opt, self.sched = cfg, model, optimizer, scheduler
-        self.device, self.shard, self.rank, self.world = device, shard, rank, world
+        self.device, self.shards, self.rank, self.world = device, shards, rank, world
         self._optimizer_step = optimizer_step
         st = state or {}
         self.step = int(st.get("step", 0))
@@ -153,11 +153,12 @@ class Runner:
         self.window: dict[str, float] = {}
 
     # -- data ----------------------------------------------------------------
-    def _rows(self) -> Iterator[dict[str, Any]]:
-        for row in self.shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2):
+    @staticmethod
+    def _rows(shard) -> Iterator[dict[str, Any]]:
+        for row in shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2):
             yield {k: v[0] for k, v in row.items()}
 
-    def _take(self, rows: Iterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _take(self, rows: Iterator[dict[str, Any]], epoch: int) -> list[dict[str, Any]]:
         from ray_mmbatch.batching.collate import decode_batch
 
         micro: list[dict[str, Any]] = []
@@ -170,42 +171,48 @@ class Runner:
             if int(row[S.BATCH_N_SAMPLES]) == 0:
                 continue  # only carried skip records
             batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
-            keep = [str(sid) not in self.consumed for sid in batch["sample_ids"]]
+            keep = [S.consumed_key(epoch, str(sid)) not in self.consumed for sid in batch["sample_ids"]]
             if not any(keep):
                 continue  # trained before the restore
             if not all(keep):
                 batch = mask_samples(batch, np.array(keep))
             batch["_batch_id"] = str(row[S.BATCH_ID])
+            batch["_epoch"] = epoch
             batch["_padded_tokens"] = int(row[S.BATCH_PADDED_TOKENS])
             micro.append(batch)
         return micro
 
     # -- loop ----------------------------------------------------------------
     def run(self) -> None:
+        """Epoch by epoch: every rank finishes epoch e (ranks that run dry first take
+        zero-target steps) before any rank opens epoch e+1, whose split waits for all."""
         tcfg = self.cfg.train
-        rows = self._rows()
         last_report = time.perf_counter()
-        while not (tcfg.max_steps and self.step >= tcfg.max_steps):
-            t0 = time.perf_counter()
-            micro = self._take(rows)
-            t_data = time.perf_counter() - t0
-            (any_data,) = all_reduce([float(bool(micro))], dist.ReduceOp.MAX if _dist_ready() else None)
-            if not any_data:
-                break
-            if micro:
-                self.last_batch = micro[-1]
-            else:
-                micro = [zero_target(self.last_batch or filler_batch(self.cfg.image))]
-            out = self._optimizer_step(self.model, micro, self.opt, self.sched, tcfg, self.device)
-            self.step += 1
-            self._account(micro, out, t_data, time.perf_counter() - t0)
-            self._fault_drill()
-            at_end = bool(tcfg.max_steps) and self.step >= tcfg.max_steps
-            ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
-            if (ck or self.step % tcfg.report_every == 0) and not at_end:  # the end reports below
-                self.report(time.perf_counter() - last_report, checkpoint=ck)
-                last_report = time.perf_counter()
+        for epoch, shard in enumerate(self.shards):
+            rows = self._rows(shard)
+            while not self._at_max_steps():
+                t0 = time.perf_counter()
+                micro = self._take(rows, epoch)
+                t_data = time.perf_counter() - t0
+                (any_data,) = all_reduce([float(bool(micro))], dist.ReduceOp.MAX if _dist_ready() else None)
+                if not any_data:
+                    break
+                if micro:
+                    self.last_batch = micro[-1]
+                else:
+                    micro = [zero_target(self.last_batch or filler_batch(self.cfg.image))]
+                out = self._optimizer_step(self.model, micro, self.opt, self.sched, tcfg, self.device)
+                self.step += 1
+                self._account(micro, out, t_data, time.perf_counter() - t0)
+                self._fault_drill()
+                ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
+                if (ck or self.step % tcfg.report_every == 0) and not self._at_max_steps():  # the end reports below
+                    self.report(time.perf_counter() - last_report, checkpoint=ck)
+                    last_report = time.perf_counter()
         self.report(time.perf_counter() - last_report, checkpoint=True, final=True)
+
+    def _at_max_steps(self) -> bool:
+        return bool(self.cfg.train.max_steps) and self.step >= self.cfg.train.max_steps
 
     def _account(self, micro, out: dict[str, float], t_data: float, t_step: float) -> None:
         dummy = any(b.get("_dummy") for b in micro)
@@ -214,15 +221,16 @@ class Runner:
         n = 0 if dummy else sum(len(b["sample_ids"]) for b in micro)
         target = 0 if dummy else sum(int(b["target_tokens"]) for b in micro)
         for b in [] if dummy else micro:
-            self.consumed.update(str(x) for x in b["sample_ids"])
-            self.new_consumed.extend(str(x) for x in b["sample_ids"])
+            keys = [S.consumed_key(b["_epoch"], str(x)) for x in b["sample_ids"]]
+            self.consumed.update(keys)
+            self.new_consumed.extend(keys)
             self.files.append("batches", {
                 "step": self.step, "rank": self.rank, "batch_id": b["_batch_id"],
                 "real_tokens": int(b["real_tokens"]), "padded_tokens": int(b["_padded_tokens"]),
                 "target_tokens": int(b["target_tokens"]), "n_samples": len(b["sample_ids"]),
                 "n_images": int(len(b["image_grid_thw"])), "patches": int(len(b["patches"])),
                 "budget_tokens": int(self.cfg.budget.max_tokens)})
-            self.files.append("ledger", {"step": self.step, "batch_id": b["_batch_id"],
+            self.files.append("ledger", {"step": self.step, "epoch": b["_epoch"], "batch_id": b["_batch_id"],
                                          "sample_ids": [str(s) for s in b["sample_ids"]]})
         w = self.window
         for k, v in (("real", real), ("padded", padded), ("target", target), ("samples", n), ("data_s", t_data),
@@ -311,5 +319,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         with restored.as_directory() as d:
             state = ckpt.load_checkpoint(d, model, optimizer, scheduler)
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
-    Runner(cfg, model, optimizer, scheduler, device, ray.train.get_dataset_shard("train"),
-           rank, world, state).run()
+    shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
+    Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state).run()

@@ -125,13 +125,20 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     progress = ray.data.DataContext.get_current().enable_progress_bars
 
-    def dataset_fn():
-        # Called at every worker-group start, in the Train controller's process, whose
-        # DataContext is not the driver's: carry the settings over, then rebuild the
-        # stream without the samples the checkpoint being restored already trained.
-        set_deterministic(cfg.train.deterministic)
-        ray.data.DataContext.get_current().enable_progress_bars = progress
-        return batch_dataset(cfg, ids["pad_id"], consumed=ckpt.read_latest_consumed(out, storage / name))
+    def dataset_fn(epoch: int):
+        def build():
+            # Called at every worker-group start, in the Train controller's process, whose
+            # DataContext is not the driver's: carry the settings over, then rebuild the
+            # stream without the samples the checkpoint being restored already trained.
+            set_deterministic(cfg.train.deterministic)
+            ray.data.DataContext.get_current().enable_progress_bars = progress
+            return batch_dataset(cfg, ids["pad_id"], consumed=ckpt.read_latest_consumed(out, storage / name),
+                                 epoch=epoch)
+        return build
+
+    # One dataset per epoch, iterated one after the other by every rank (train/loop.py):
+    # each is split and executed only when the ranks reach it, with its own seeds.
+    datasets = {S.epoch_dataset_name(e): dataset_fn(e) for e in range(max(1, cfg.train.epochs))}
 
     # Train applies these execution options to the shard it splits; built here, on the
     # driver, so preserve_order (deterministic mode) really reaches the training stream.
@@ -149,7 +156,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=callbacks or None,
         ),
-        datasets={"train": dataset_fn},
+        datasets=datasets,
         dataset_config=LosslessDataConfig(execution_options=ingest),
     )
 
