@@ -178,6 +178,30 @@ def test_pad_rows_equal_each_sample_alone(tok):
                                    atol=1e-4, rtol=1e-6)
 
 
+def test_pad_and_pack_give_the_same_gradients(tok):
+    """Pad mode attends with is_causal and no mask (right padding): the pad positions'
+    outputs must not reach any real token, forward or backward."""
+    model, samples = tiny_model(tok), four_samples(tok)
+    grads = []
+    for batch in (t(pad(samples)), t(pack(samples))):
+        model.zero_grad()
+        loss, n = model(batch, loss_only=True)
+        loss.backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], atol=1e-4, rtol=1e-4, msg=k)
+
+
+def test_only_right_padding_skips_the_mask():
+    from ray_mmbatch.model.attention import pad_layout
+
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    holes = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 0, 1, 0]])
+    assert pad_layout(right, causal=True, backend="sdpa").right_padded()
+    assert not pad_layout(holes, causal=True, backend="sdpa").right_padded()
+
+
 def test_leaking_across_samples_would_be_detected(tok):
     """Guard for the tests above: a plain causal mask over the pack gives different logits."""
     model, samples = tiny_model(tok), four_samples(tok)
