@@ -26,7 +26,8 @@ truncated (8192 > longest sample); fill of the trained batches is printed next
 to the fill of every planned batch to show the trained part is representative.
 Peak RSS: VmHWM reset before each step (Linux clear_refs), max over the steps.
 ``pack_tmask`` (not in the default list) runs pack through the old full T x T
-block-mask attention, for the before/after of model/attention.py.
+block-mask attention, and ``pad_mask`` runs pad through the explicit [B,1,L,L]
+mask instead of is_causal, for the before/afters of model/attention.py.
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
 
@@ -53,6 +54,7 @@ from ray_mmbatch.data.generate import generate_dataset
 from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer
 from ray_mmbatch.model import build_model, layers
+from ray_mmbatch.model.attention import attend as _ATTEND
 from ray_mmbatch.pipeline import plan_rows
 from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step
 
@@ -125,6 +127,13 @@ def build_batches(groups: list[list[str]], samples: dict, mode: str, pad_id: int
 # ------------------------------------------------------------------ training
 def attend_block_mask(q, k, v, layout):
     """The sdpa pack path before length buckets: one call over the full T x T block mask (for before/after)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.sdpa_mask())
+
+
+def attend_pad_mask(q, k, v, layout):
+    """The sdpa pad path before is_causal: the explicit [B, 1, L, L] mask (for before/after)."""
+    if layout.packed:  # the vision tower: unchanged
+        return _ATTEND(q, k, v, layout)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.sdpa_mask())
 
 
@@ -228,7 +237,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--attention", default="sdpa", help="ModelConfig.attention backend")
     p.add_argument("--strategies", default="pack,pad,fixed32",
-                   help="comma list of pack, pad, fixed32, pack_tmask (pack on the pre-bucket T x T mask path)")
+                   help="comma list of pack, pad, fixed32, pack_tmask (pack on the pre-bucket T x T mask path), "
+                        "pad_mask (pad on the explicit [B,1,L,L] mask path)")
     p.add_argument("--budget-s", type=float, default=40.0, help="step-time budget of pack and of pad (s)")
     p.add_argument("--fixed-budget-s", type=float, default=100.0,
                    help="step-time budget of fixed32 (s; its steps take ~30 s, so it needs more for a stable rate)")
@@ -270,6 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
             fixed_groups(samples, FIXED_BATCH_SIZE), samples, "pad", pad_id), None),
     }
     plans["pack_tmask"] = lambda: ("pack, T x T mask (before buckets)", *plans["pack"]()[1:])
+    plans["pad_mask"] = lambda: ("pad, [B,1,L,L] mask (before is_causal)", *plans["pad"]()[1:])
     unknown = set(wanted) - set(plans)
     if unknown:
         raise SystemExit(f"unknown strategies {sorted(unknown)}; choose from {sorted(plans)}")
@@ -280,6 +291,8 @@ def main(argv: list[str] | None = None) -> dict:
         runs.append(StrategyRun(name, batches, cfg, len(tok), ids, max_tokens, budget))
         if key == "pack_tmask":
             runs[-1].attend = attend_block_mask
+        if key == "pad_mask":
+            runs[-1].attend = attend_pad_mask
     load_before = os.getloadavg()
     results = run_interleaved(runs)
     load_after = os.getloadavg()
