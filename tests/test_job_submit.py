@@ -23,10 +23,21 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports: every socket stays bound until all are chosen (a port released
+    at once can be handed out again, which once gave the dashboard and its agent one port)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        ports = [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    assert len(set(ports)) == n
+    return ports
 
 
 def _wait_dashboard(port: int, env: dict, head, log: Path, timeout: float = 120) -> None:
@@ -46,7 +57,7 @@ def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_datas
     token = secrets.token_hex(32)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}:{env.get('PATH', '')}")
-    gcs, dash, agent_http, agent_grpc, runtime_env, metrics, client = (_free_port() for _ in range(7))
+    gcs, dash, agent_http, agent_grpc, runtime_env, metrics, client = _free_ports(7)
     # a short temp dir: Ray's unix sockets live under it and must stay under ~107 characters
     ray_tmp = tempfile.mkdtemp(prefix="rmb", dir="/tmp")
     head_log = open(tmp_path / "head.log", "w")
@@ -84,9 +95,11 @@ def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_datas
         assert 0 < summary["fill"] <= 1.0
         assert summary["initial_loss"] > 0 and summary["final_loss"] > 0
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
         try:
+            os.killpg(head.pid, signal.SIGTERM)
             head.wait(timeout=60)
+        except ProcessLookupError:  # the head already exited (its failure is reported above)
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
         head_log.close()
