@@ -2,10 +2,10 @@
 
 ::
 
-    read_raw (readers.py)            RAW rows, bytes only
+    read_raw (readers.py)            RAW rows, bytes only (+ one end-of-stream row when carrying)
       .map_batches(MeasureStage)     + token ids, grids, costs, skip_reason; oversize policy applied
-      .filter(not yet trained)       resume: samples trained before the checkpoint are dropped before
-                                     planning, so none of their pixels is decoded
+      .map_batches(drop_samples)     resume: samples this epoch trained before the checkpoint are
+                                     dropped before planning, so none of their pixels is decoded
       .map_batches(CarryPlanStage,   one PLAN row per batch; windows of `budget.window` samples, under-
                    batch_size=W)     filled batches held back into the next window (see below)
       .map_batches(MaterializeStage, one BATCH row per batch: decode + resize + patchify + collate
@@ -38,6 +38,7 @@ import warnings
 from typing import Any, Iterable
 
 import numpy as np
+import pyarrow as pa
 import ray
 
 from ray_mmbatch import schema as S
@@ -108,6 +109,14 @@ def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key
         out[PLAN].append(pickle.dumps(members, protocol=5))
         out[S.BATCH_SKIPPED].append(json.dumps(skipped if j == 0 else []))
     return out
+
+
+def drop_samples(table: pa.Table, sample_ids: pa.Array) -> pa.Table:
+    """Rows of an Arrow block whose sample id is not in ``sample_ids`` (vectorized: resume filter)."""
+    import pyarrow.compute as pc
+
+    hit = pc.is_in(table.column(S.SAMPLE_ID).cast(pa.string()), value_set=sample_ids)
+    return table.filter(pc.invert(hit))
 
 
 def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch: int) -> dict[str, list]:
@@ -267,7 +276,10 @@ def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epoch:
     carry = uses_carry(cfg.budget)
     measured = measured_dataset(cfg, epoch, end_marker=carry)
     if done:
-        measured = measured.filter(lambda r, c=done: r[S.SAMPLE_ID] not in c)
+        measured = measured.map_batches(drop_samples, batch_format="pyarrow", batch_size=None,
+                                        fn_kwargs={"sample_ids": pa.array(sorted(done), pa.string())},
+                                        num_cpus=PLAN_CPUS,
+                                        **_stage_args(cfg))
     if carry:  # one actor: one carry, fed the windows in stream order
         with warnings.catch_warnings():
             # Ray Data lets actor tasks run out of order by default; the carry needs windows in
