@@ -2,9 +2,8 @@
 
 Thin shell over data/sources.py, one Ray read per format:
 
-    parquet     ray.data.read_parquet (only the id/image/text columns) + map_batches(parquet_rows);
-                files without the id column are read per row group instead, so each row
-                gets its exact "<file>:<row>" id
+    parquet     one row group per call, read with pyarrow (only the id/image/text columns) +
+                parquet_rows; without an id column each row gets its exact "<file>:<row>" id
     webdataset  one *.tar per call, read with open() + map_batches(webdataset_samples) (a
                 shard is held in memory once while it is split into rows)
     llava       the JSON is read on the driver (it is one list), sent as chunks of
@@ -16,8 +15,9 @@ sorted, ``shuffle_seed`` permutes the units (epochs after the first), and
 ``end_marker`` appends one unit that yields the schema.END_OF_STREAM_ID row
 after everything else (the carry planner's end-of-stream signal; with
 DataContext.execution_options.preserve_order it is the last row out).
-With preserve_order the row order is the same every run. Adapters return Arrow tables with a fixed
-schema, so a block of text-only rows still has list<binary> images.
+With preserve_order the row order is the same every run. Adapters return Arrow
+tables with a fixed schema, so a block of text-only rows still has list<binary>
+images.
 """
 from __future__ import annotations
 
