@@ -115,7 +115,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     """Max gradient norm (0 = off)."""
     max_steps: int = 60
-    """Optimizer steps to run (0 = run all epochs)."""
+    """Optimizer steps to run; the cosine learning-rate schedule spans them. 0 = run all epochs, and the
+    schedule follows the share of the samples done (counted up front from footers / indexes)."""
     epochs: int = 1
     """Passes over the data, one after the other; each re-reads in its own order and re-plans with the epoch in the seed."""
     report_every: int = 5

@@ -25,6 +25,7 @@ import glob
 import json
 import os
 import random
+import tarfile
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -32,7 +33,7 @@ import ray
 
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
-from ray_mmbatch.data.sources import llava_rows, parquet_rows, rows_to_table, webdataset_samples
+from ray_mmbatch.data.sources import llava_rows, parquet_rows, rows_to_table, split_member, webdataset_samples
 
 FORMATS = ("parquet", "webdataset", "llava")
 LLAVA_INDEX_NAMES = ("data.json", "data.jsonl")
@@ -161,7 +162,8 @@ def _read_webdataset(files: list[str], blocks: int | None, **unit_args) -> ray.d
     return ds.map_batches(_webdataset_batch, batch_format="pyarrow", batch_size=1)
 
 
-def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None, **unit_args) -> ray.data.Dataset:
+def _llava_records(files: list[str]) -> list:
+    """The records of the one LLaVA JSON / JSONL file (a line that is not JSON stays as a string)."""
     if len(files) != 1:
         raise ValueError(f"LLaVA format reads one JSON file, got {len(files)}: {files[:3]}")
     path = files[0]
@@ -178,6 +180,11 @@ def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None, **un
             records = json.load(f)
     if not isinstance(records, list):
         raise ValueError(f"{path}: expected a JSON list of records, got {type(records).__name__}")
+    return records
+
+
+def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None, **unit_args) -> ray.data.Dataset:
+    records, path = _llava_records(files), files[0]
     chunks = [{"row_offset": i, "records": json.dumps(records[i:i + LLAVA_CHUNK], ensure_ascii=True)}
               for i in range(0, len(records), LLAVA_CHUNK)]
     root = data_cfg.image_root or os.path.dirname(os.path.abspath(path))
@@ -203,3 +210,26 @@ def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None
     else:
         ds = _read_llava(files, data_cfg, override_num_blocks, **unit_args)
     return ds.select_columns(list(schema.RAW_COLUMNS))
+
+
+def count_samples(path: str, data_cfg: DataConfig) -> int:
+    """How many RAW rows ``read_raw`` will yield, without reading any image: Parquet footers,
+    the LLaVA record list, WebDataset tar headers (a broken tar counts what it lists).
+    For progress and the learning-rate schedule of runs that go by epochs."""
+    fmt, files = resolve_files(path, data_cfg.format)
+    if fmt == "parquet":
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    if fmt == "llava":
+        return len(_llava_records(files))
+    total = 0
+    for f in files:
+        keys = set()
+        try:
+            with tarfile.open(f, mode="r:*") as archive:
+                for member in archive:
+                    if member.isfile():
+                        keys.add(split_member(member.name)[0])
+        except (tarfile.TarError, OSError, EOFError):
+            keys.add(f"{f}:unreadable-tail")
+        total += len(keys)
+    return total

@@ -91,6 +91,16 @@ def test_parquet_custom_columns_without_id_uses_file_and_row(ray_cluster, tmp_pa
         read_raw(str(tmp_path), DataConfig())
 
 
+@pytest.mark.parametrize("key", ["parquet", "caption", "webdataset", "llava"])
+def test_count_samples_matches_what_is_read(datasets, key):
+    """count_samples (footers / record list / tar headers, no image read) = the rows read_raw yields."""
+    from ray_mmbatch.readers import count_samples
+
+    manifest = json.loads((datasets[key] / "manifest.json").read_text())
+    assert count_samples(str(datasets[key]), CAPTION_CFG if key == "caption" else DataConfig()) == \
+        len(manifest["ids"]) > SAMPLES
+
+
 def test_llava_jsonl_with_a_broken_line(ray_cluster, tmp_path):
     (tmp_path / "img.png").write_bytes(b"PNGBYTES")
     lines = [json.dumps({"id": "a", "image": "img.png", "conversations": [{"from": "gpt", "value": "x"}]}),

@@ -171,6 +171,25 @@ def test_optimizer_groups_and_schedule(tok):
     assert lr_lambda(20, 4, 20) == pytest.approx(0.1) and lr_lambda(500, 4, 20) == pytest.approx(0.1)
 
 
+def test_schedule_by_progress_for_runs_by_epochs(tok):
+    """No max_steps: the cosine follows the share of planned samples done, not a step guess."""
+    from ray_mmbatch.train.step import Progress, lr_by_progress
+
+    model = tiny_model(tok)
+    progress = Progress()
+    opt, sched = build_optimizer(model, TrainConfig(lr=1e-3, warmup_steps=2), total_steps=1000, progress=progress)
+    lrs = []
+    for step in range(12):
+        progress.value = step / 10          # 10 steps' worth of samples planned
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == pytest.approx(5e-4) and lrs[1] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[2:], lrs[3:]))
+    assert lrs[-1] == pytest.approx(1e-4)   # the floor once every planned sample is done
+    assert lr_by_progress(5, 2, 0.5) == pytest.approx(0.55) and lr_by_progress(5, 2, 3.0) == pytest.approx(0.1)
+
+
 def test_optimizer_step_updates_and_reports(tok):
     model = tiny_model(tok)
     cfg = TrainConfig(lr=1e-3, warmup_steps=1, grad_clip=1e-3, precision="fp32")

@@ -92,6 +92,9 @@ def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet,
     assert all(r["batch_id"].startswith(f"e{r['epoch']}/") for r in rows)
     assert max(r["step"] for r in rows if r["epoch"] == 0) < min(r["step"] for r in rows if r["epoch"] == 1)
     assert set(partial) <= set(ledger(out, 0))
+    # by epochs (no max_steps) the cosine follows the samples done: the run ends at the floor
+    last = json.loads((out / S.RUN_METRICS).read_text().splitlines()[-1])
+    assert last["lr"] < 0.15 * Config().train.lr, last["lr"]
     batches = [json.loads(ln) for ln in (out / S.RUN_BATCHES).read_text().splitlines()]
     assert {b["rank"] for b in batches} == {0, 1}
     assert all(b["real_tokens"] <= 2048 for b in batches)

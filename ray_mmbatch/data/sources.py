@@ -144,7 +144,7 @@ def parquet_rows(table: pa.Table, data_cfg: DataConfig, *, file_name: str | None
 
 
 # ------------------------------------------------------------- WebDataset
-def _split_member(name: str) -> tuple[str, int, str]:
+def split_member(name: str) -> tuple[str, int, str]:
     """'dir/KEY.2.png' -> ('dir/KEY', 2, 'png'); the key ends at the basename's first dot."""
     folder, _, base = name.rpartition("/")
     stem, _, suffix = base.partition(".")
@@ -198,7 +198,7 @@ def webdataset_samples(tar: bytes | BinaryIO, shard_name: str) -> list[dict]:
             for member in archive:
                 if not member.isfile():
                     continue
-                key, index, ext = _split_member(member.name)
+                key, index, ext = split_member(member.name)
                 data = archive.extractfile(member).read()
                 groups.setdefault(key, []).append((index, ext, member.name, data))
     except (tarfile.TarError, OSError, EOFError) as exc:

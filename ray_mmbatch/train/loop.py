@@ -134,7 +134,7 @@ class Runner:
     """Owns the step loop: fetch micro-batches, agree on data, step, log, report, checkpoint."""
 
     def __init__(self, cfg: Config, model, optimizer, scheduler, device, shards: list, rank: int, world: int,
-                 state: dict[str, Any] | None = None):
+                 state: dict[str, Any] | None = None, progress=None, planned_samples: int = 0):
         from ray_mmbatch.train.step import optimizer_step
 
         self.cfg, self.model, self.opt, self.sched = cfg, model, optimizer, scheduler
@@ -147,6 +147,11 @@ class Runner:
         self.totals = dict(st.get("totals", {"samples": 0, "real_tokens": 0, "padded_tokens": 0,
                                              "target_tokens": 0, "train_s": 0.0}))
         self.initial_loss = st.get("initial_loss")
+        # samples trained or reported skipped, all ranks, all epochs: drives the by-epoch LR schedule
+        self.samples_seen = int(st.get("samples_seen", 0))
+        self.progress, self.planned_samples = progress, int(planned_samples)
+        self._seen_in_take = 0
+        self._set_progress()
         self.files = RunFiles(cfg.train.output_dir, rank, cfg.train.ledger)
         self.files.trim(self.step)
         self.last_batch: dict[str, Any] | None = None
@@ -168,6 +173,7 @@ class Runner:
                 break
             for sid, reason in json.loads(str(row[S.BATCH_SKIPPED])):
                 self.files.append("skipped", {"sample_id": sid, "reason": reason})
+                self._seen_in_take += 1
             if int(row[S.BATCH_N_SAMPLES]) == 0:
                 continue  # only carried skip records
             batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
@@ -178,6 +184,7 @@ class Runner:
                 batch = mask_samples(batch, np.array(keep))
             batch["_batch_id"] = str(row[S.BATCH_ID])
             batch["_epoch"] = epoch
+            self._seen_in_take += len(batch["sample_ids"])
             batch["_padded_tokens"] = int(row[S.BATCH_PADDED_TOKENS])
             micro.append(batch)
         return micro
@@ -192,9 +199,12 @@ class Runner:
             rows = self._rows(shard)
             while not self._at_max_steps():
                 t0 = time.perf_counter()
+                self._seen_in_take = 0
                 micro = self._take(rows, epoch)
                 t_data = time.perf_counter() - t0
-                (any_data,) = all_reduce([float(bool(micro))], dist.ReduceOp.MAX if _dist_ready() else None)
+                any_data, seen = all_reduce([float(bool(micro)), float(self._seen_in_take)])
+                self.samples_seen += int(seen)
+                self._set_progress()
                 if not any_data:
                     break
                 if micro:
@@ -210,6 +220,10 @@ class Runner:
                     self.report(time.perf_counter() - last_report, checkpoint=ck)
                     last_report = time.perf_counter()
         self.report(time.perf_counter() - last_report, checkpoint=True, final=True)
+
+    def _set_progress(self) -> None:
+        if self.progress is not None and self.planned_samples > 0:
+            self.progress.value = self.samples_seen / self.planned_samples
 
     def _at_max_steps(self) -> bool:
         return bool(self.cfg.train.max_steps) and self.step >= self.cfg.train.max_steps
@@ -283,7 +297,7 @@ class Runner:
             ray.train.report(metrics)
             return
         state = {"step": self.step, "consumed": sorted(self.consumed), "totals": t,
-                 "initial_loss": self.initial_loss}
+                 "initial_loss": self.initial_loss, "samples_seen": self.samples_seen}
         with tempfile.TemporaryDirectory() as tmp:
             ray_ckpt = None
             if self.rank == 0:
@@ -302,7 +316,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
 
     from ray_mmbatch.model import build_model
-    from ray_mmbatch.train.step import build_optimizer
+    from ray_mmbatch.train.step import Progress, build_optimizer
 
     cfg = apply_overrides(Config(), flatten(config["cfg"]))
     ctx = ray.train.get_context()
@@ -311,8 +325,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     model = build_model(cfg.model, cfg.image, vocab_size=config["vocab_size"],
                         image_token_id=config["image_token_id"], pad_id=config["pad_id"])
-    total = cfg.train.max_steps or config.get("estimated_steps", 1000)
-    optimizer, scheduler = build_optimizer(model, cfg.train, total)
+    # max_steps: cosine over those steps; by epochs: cosine over the share of the planned
+    # samples done (the step count is only known once the batches are planned)
+    planned = 0 if cfg.train.max_steps else int(config.get("planned_samples", 0))
+    progress = Progress() if planned else None
+    optimizer, scheduler = build_optimizer(model, cfg.train, cfg.train.max_steps or 1000, progress)
     state = None
     restored = ray.train.get_checkpoint()
     if restored is not None:
@@ -320,4 +337,4 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             state = ckpt.load_checkpoint(d, model, optimizer, scheduler)
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
     shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
-    Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state).run()
+    Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned).run()

@@ -181,8 +181,28 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: nn.Module, train_cfg: TrainConfig, total_steps: int):
-    """AdamW with no weight decay on norms and biases (1-D params) + warm-up/cosine LambdaLR."""
+def lr_by_progress(step: int, warmup_steps: int, progress: float, floor: float = 0.1) -> float:
+    """Linear warm-up to 1 by steps, then cosine decay to ``floor`` as ``progress`` goes 0 -> 1.
+
+    For runs that go by epochs (no max_steps): the number of steps is not known before the
+    batches are planned, so the schedule follows the share of the planned samples done.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    p = min(1.0, max(0.0, progress))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+class Progress:
+    """Share of the run done (0..1), set by the train loop, read by the learning-rate schedule."""
+
+    def __init__(self, value: float = 0.0):
+        self.value = value
+
+
+def build_optimizer(model: nn.Module, train_cfg: TrainConfig, total_steps: int, progress: Progress | None = None):
+    """AdamW with no weight decay on norms and biases (1-D params) + warm-up/cosine LambdaLR:
+    cosine over ``total_steps``, or over ``progress`` when given (see lr_by_progress)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
@@ -191,5 +211,8 @@ def build_optimizer(model: nn.Module, train_cfg: TrainConfig, total_steps: int):
               {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(0.9, 0.95))
     warmup, total = train_cfg.warmup_steps, max(1, total_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, warmup, total))
+    if progress is not None:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_by_progress(s, warmup, progress.value))
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, warmup, total))
     return optimizer, scheduler

@@ -107,6 +107,16 @@ def _merge_rank_files(out: Path) -> dict[str, int]:
     return counts
 
 
+def planned_samples(cfg: Config) -> int:
+    """Rows to be read over the whole run (epochs x samples read per epoch) when it goes by
+    epochs, for the learning-rate schedule; 0 with max_steps (the schedule uses the steps)."""
+    from ray_mmbatch.readers import count_samples
+
+    if cfg.train.max_steps:
+        return 0
+    return max(1, cfg.train.epochs) * count_samples(cfg.data.path, cfg.data)
+
+
 def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -147,7 +157,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.to_dict(), **ids},
+        train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg)},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
         run_config=RunConfig(
