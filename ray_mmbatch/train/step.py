@@ -175,10 +175,7 @@ class StepRunner:
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1) -> float:
     """Linear warm-up to 1, then cosine decay to ``floor`` at ``total_steps``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr_by_progress(step, warmup_steps, (step - warmup_steps) / max(1, total_steps - warmup_steps), floor)
 
 
 def lr_by_progress(step: int, warmup_steps: int, progress: float, floor: float = 0.1) -> float:
