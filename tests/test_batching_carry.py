@@ -92,6 +92,13 @@ def test_nothing_is_held_after_flush():
     assert sorted(map(sorted, late)) == [["c"], ["d"]] and planner.held == []
 
 
+def test_an_empty_window_keeps_the_carry():
+    planner = CarryPlanner(Budget(10, "pack"), carry=1.0)
+    assert planner.feed(["a", "b"], [6, 3]) == [] and planner.held == ["a", "b"]
+    assert planner.feed([], []) == [] and planner.held == ["a", "b"]   # e.g. a window of skipped samples
+    assert planner.feed(["c"], [4]) == [["a", "c"]] and planner.held == ["b"]
+
+
 def test_an_oversize_item_leaves_the_carry_untouched():
     planner = CarryPlanner(Budget(10, "pack"), carry=1.0)
     planner.feed(["a"], [4])

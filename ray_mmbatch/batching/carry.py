@@ -90,6 +90,8 @@ class CarryPlanner(Generic[T]):
         if len(items) != len(tokens):
             raise ValueError(f"{len(items)} items but {len(tokens)} costs")
         check_fits_alone(tokens, patches, images, self.budget)
+        if not len(items) and not self.closed:
+            return []  # a window with no usable sample: keep what is held for the next one
         cap = 0 if self.closed else int(self.carry * len(items))
         return self._plan(list(items), np.stack([tokens, patches, images]), cap, seed)
 
