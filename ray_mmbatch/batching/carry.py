@@ -130,8 +130,7 @@ class CarryPlanner(Generic[T]):
         b = self.budget
         if b.mode == "pad":
             return float(t.sum()) / (len(t) * int(t.max())) if t.max() > 0 else 1.0
-        tf = t.astype(np.float64)
-        use = [(tf.sum() + b.attn_weight * (tf * tf).sum()) / b.max_tokens]
+        use = [b.token_cost(int(t.sum()), int((t * t).sum()), len(t), int(t.max())) / b.max_tokens]
         for total, limit in ((p.sum(), b.max_patches), (m.sum(), b.max_images), (len(t), b.max_samples)):
             if limit is not None:
                 use.append(total / limit)

@@ -150,7 +150,6 @@ class Runner:
         # samples trained or reported skipped, all ranks, all epochs: drives the by-epoch LR schedule
         self.samples_seen = int(st.get("samples_seen", 0))
         self.progress, self.planned_samples = progress, int(planned_samples)
-        self._seen_in_take = 0
         self._set_progress()
         self.files = RunFiles(cfg.train.output_dir, rank, cfg.train.ledger)
         self.files.trim(self.step)
@@ -163,17 +162,19 @@ class Runner:
         for row in shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2):
             yield {k: v[0] for k, v in row.items()}
 
-    def _take(self, rows: Iterator[dict[str, Any]], epoch: int) -> list[dict[str, Any]]:
+    def _take(self, rows: Iterator[dict[str, Any]], epoch: int) -> tuple[list[dict[str, Any]], int]:
+        """Up to grad_accum micro-batches of this rank, and how many skip records came with them."""
         from ray_mmbatch.batching.collate import decode_batch
 
         micro: list[dict[str, Any]] = []
+        skipped = 0
         while len(micro) < self.cfg.train.grad_accum:
             row = next(rows, None)
             if row is None:
                 break
             for sid, reason in json.loads(str(row[S.BATCH_SKIPPED])):
                 self.files.append("skipped", {"sample_id": sid, "reason": reason})
-                self._seen_in_take += 1
+                skipped += 1
             if int(row[S.BATCH_N_SAMPLES]) == 0:
                 continue  # only carried skip records
             batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
@@ -184,10 +185,9 @@ class Runner:
                 batch = mask_samples(batch, np.array(keep))
             batch["_batch_id"] = str(row[S.BATCH_ID])
             batch["_epoch"] = epoch
-            self._seen_in_take += len(batch["sample_ids"])
             batch["_padded_tokens"] = int(row[S.BATCH_PADDED_TOKENS])
             micro.append(batch)
-        return micro
+        return micro, skipped
 
     # -- loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -199,10 +199,10 @@ class Runner:
             rows = self._rows(shard)
             while not self._at_max_steps():
                 t0 = time.perf_counter()
-                self._seen_in_take = 0
-                micro = self._take(rows, epoch)
+                micro, skipped = self._take(rows, epoch)
                 t_data = time.perf_counter() - t0
-                any_data, seen = all_reduce([float(bool(micro)), float(self._seen_in_take)])
+                trained = sum(len(b["sample_ids"]) for b in micro)
+                any_data, seen = all_reduce([float(bool(micro)), float(trained + skipped)])
                 self.samples_seen += int(seen)
                 self._set_progress()
                 if not any_data:
