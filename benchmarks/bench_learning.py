@@ -53,7 +53,7 @@ from ray_mmbatch.data.draw import COLOURS, SHAPES
 from ray_mmbatch.data.generate import generate_dataset
 from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer, special_ids
-from ray_mmbatch.model import build_model, count_parameters
+from ray_mmbatch.models.builtin import build_model, count_parameters
 from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step, token_loss_sum
 
 from common import read_measured  # noqa: E402  (benchmarks/ is on sys.path when a script runs)

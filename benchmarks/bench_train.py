@@ -53,8 +53,8 @@ from ray_mmbatch.config import BudgetConfig, Config
 from ray_mmbatch.data.generate import generate_dataset
 from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer
-from ray_mmbatch.model import build_model, layers
-from ray_mmbatch.model.attention import attend as _ATTEND
+from ray_mmbatch.models.builtin import build_model, layers
+from ray_mmbatch.models.builtin.attention import attend as _ATTEND
 from ray_mmbatch.pipeline import plan_rows
 from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step
 

@@ -30,6 +30,23 @@ class ImageConfig:
     """Refuse (decompression_bomb) any image whose header says more pixels than this. Pillow's own guard stays on."""
     allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
     """Pillow format names accepted; anything else is skipped as unsupported_format."""
+    resize: str = "smart"
+    """'smart' (Qwen-VL dynamic resolution: sides multiples of patch_size*merge_size within min/max_pixels,
+    exactly as the HF Qwen2-VL processor) or 'fixed' (LLaVA / CLIP: shortest edge to image_size, centre crop
+    to image_size x image_size; a fixed number of image tokens)."""
+    image_size: int = 336
+    """resize='fixed': side of the square image the vision tower sees (pixels)."""
+    max_aspect: float = 200.0
+    """Images whose long side over short side exceeds this are skipped (extreme_aspect); HF Qwen-VL refuses > 200."""
+    fast_decode: bool = False
+    """Decode big JPEGs at a reduced DCT scale and resize with reducing_gap: faster, but the pixels are no
+    longer bit-equal to the checkpoint's HF image processor."""
+    image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
+    """Per-channel mean the model normalizes pixels with (x / 255 - mean) / std, on the training worker."""
+    image_std: tuple[float, ...] = (0.26862954, 0.26130258, 0.27577711)
+    """Per-channel std for the same normalization."""
+    temporal_patch_size: int = 1
+    """Frames per vision patch (Qwen-VL: 2; a still image is repeated over them on the worker)."""
 
     @property
     def factor(self) -> int:
@@ -43,6 +60,11 @@ class TextConfig:
     """Path to a Hugging Face tokenizer directory; empty = the small BPE tokenizer shipped in the package."""
     train_on_prompt: bool = False
     """Also train on user/system tokens (default: only assistant answers are targets)."""
+    chat_template: str = "auto"
+    """'auto' (the tokenizer's own chat template when it has one, else the plain format) or 'plain'
+    (<|im_start|>role ... <|im_end|>, the built-in model's format)."""
+    image_token: str = "<|image_pad|>"
+    """The token an image slot expands to (one per image token); a checkpoint sets its own (LLaVA: <image>)."""
 
 
 @dataclass
@@ -72,6 +94,16 @@ class BudgetConfig:
 
 @dataclass
 class ModelConfig:
+    path: str = ""
+    """A local Hugging Face checkpoint directory (config.json + weights + tokenizer + preprocessor_config.json);
+    empty = the small built-in model, trained from scratch."""
+    backend: str = "auto"
+    """Model backend (models/ registry): 'builtin', 'qwen_vl', 'llava'; 'auto' = from the checkpoint's model_type."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (HF models): less memory, ~30% more compute."""
+    attn_implementation: str = "auto"
+    """HF models: 'auto' (flash_attention_2 on CUDA when flash_attn is installed, else sdpa), 'sdpa', 'eager',
+    'flash_attention_2'."""
     vocab_size: int = 0
     """0 = taken from the tokenizer."""
     d_model: int = 128
@@ -135,6 +167,11 @@ class TrainConfig:
     """Where summary.json, metrics, checkpoints and reports go."""
     run_name: str = ""
     """Run name (re-running with the same name resumes); empty = output_dir's name."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over the workers (FSDP2 fully_shard) instead of DDP."""
+    export_hf: bool = True
+    """HF models: save the trained model in HF format (save_pretrained: model, tokenizer, processor) to
+    OUTPUT_DIR/hf_model at the end."""
     fault_at_step: int = 0
     """Fault drill: rank 0 SIGKILLs its own process after this step, once per run dir (0 = off)."""
 
@@ -186,7 +223,10 @@ def _coerce(value: Any, current: Any, name: str) -> Any:
             raise ValueError(f"{name}: expected a boolean, got {value!r}")
         return bool(value)
     if isinstance(current, tuple):
-        return tuple(value)
+        if isinstance(value, str):  # --set image.image_mean=0.5,0.5,0.5
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        kind = type(current[0]) if current else str
+        return tuple(kind(v) for v in value)
     if value is None or current is None:
         if isinstance(value, str) and value.lower() in ("none", "null", ""):
             return None
@@ -233,5 +273,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def save_config(cfg: Config, path: str | Path) -> None:
     d = cfg.to_dict()
-    d["image"]["allowed_formats"] = list(d["image"]["allowed_formats"])
+    for section in d.values():
+        for k, v in section.items():
+            if isinstance(v, tuple):
+                section[k] = list(v)
     Path(path).write_text(yaml.safe_dump(d, sort_keys=False))

@@ -17,8 +17,8 @@ from transformers import PreTrainedTokenizerFast
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig, ModelConfig
-from ray_mmbatch.model import build_model
-from ray_mmbatch.model.rope import patch_positions
+from ray_mmbatch.models.builtin import build_model
+from ray_mmbatch.models.builtin.rope import patch_positions
 from ray_mmbatch.train.step import batch_to_torch
 
 PS, M = 14, 2
@@ -194,7 +194,7 @@ def test_pad_and_pack_give_the_same_gradients(tok):
 
 
 def test_only_right_padding_skips_the_mask():
-    from ray_mmbatch.model.attention import pad_layout
+    from ray_mmbatch.models.builtin.attention import pad_layout
 
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
     holes = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1], [1, 0, 1, 0]])
@@ -328,7 +328,7 @@ def _masked_reference(q, k, v, layout):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("case", sorted(SEGMENT_CASES))
 def test_sdpa_segment_buckets_equal_block_mask(case, causal):
-    from ray_mmbatch.model import attend, pack_layout
+    from ray_mmbatch.models.builtin import attend, pack_layout
 
     cu, length = SEGMENT_CASES[case]
     gen = torch.Generator().manual_seed(len(cu))
@@ -345,8 +345,8 @@ def test_sdpa_segment_buckets_equal_block_mask(case, causal):
 
 
 def test_segment_buckets_cover_every_token_once_and_bound_the_work():
-    from ray_mmbatch.model import pack_layout
-    from ray_mmbatch.model.attention import BUCKET_FLOOR, BUCKET_RATIO
+    from ray_mmbatch.models.builtin import pack_layout
+    from ray_mmbatch.models.builtin.attention import BUCKET_FLOOR, BUCKET_RATIO
 
     rng = np.random.default_rng(0)
     lens = np.concatenate([rng.integers(1, 64, 40), rng.integers(64, 3000, 12)])

@@ -315,7 +315,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import ray.train.torch
 
-    from ray_mmbatch.model import build_model
+    from ray_mmbatch.models.builtin import build_model
     from ray_mmbatch.train.step import Progress, build_optimizer
 
     cfg = apply_overrides(Config(), flatten(config["cfg"]))

@@ -29,10 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ray_mmbatch.config import ImageConfig, ModelConfig
-from ray_mmbatch.model.attention import BACKENDS, pack_layout, pad_layout
-from ray_mmbatch.model.decoder import Decoder
-from ray_mmbatch.model.layers import init_weights
-from ray_mmbatch.model.vision import VisionEncoder
+from ray_mmbatch.models.builtin.attention import BACKENDS, pack_layout, pad_layout
+from ray_mmbatch.models.builtin.decoder import Decoder
+from ray_mmbatch.models.builtin.layers import init_weights
+from ray_mmbatch.models.builtin.vision import VisionEncoder
 from ray_mmbatch.schema import IGNORE_INDEX
 
 MODES = ("pack", "pad")

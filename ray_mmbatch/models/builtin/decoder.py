@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ray_mmbatch.model.attention import AttentionLayout
-from ray_mmbatch.model.layers import RMSNorm, SelfAttention, SwiGLU
-from ray_mmbatch.model.rope import apply_rope, rope_cos_sin
+from ray_mmbatch.models.builtin.attention import AttentionLayout
+from ray_mmbatch.models.builtin.layers import RMSNorm, SelfAttention, SwiGLU
+from ray_mmbatch.models.builtin.rope import apply_rope, rope_cos_sin
 
 
 class DecoderBlock(nn.Module):

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ray_mmbatch.model.attention import pack_layout
-from ray_mmbatch.model.layers import SelfAttention
-from ray_mmbatch.model.rope import apply_rope_2d, patch_positions, rope_cos_sin
+from ray_mmbatch.models.builtin.attention import pack_layout
+from ray_mmbatch.models.builtin.layers import SelfAttention
+from ray_mmbatch.models.builtin.rope import apply_rope_2d, patch_positions, rope_cos_sin
 
 # CLIP statistics, as used by Qwen2-VL's image processor.
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ray_mmbatch.model.attention import AttentionLayout, attend
+from ray_mmbatch.models.builtin.attention import AttentionLayout, attend
 
 Rotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

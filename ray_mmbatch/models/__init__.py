@@ -1,0 +1,72 @@
+"""Model backends: one module per family, one registry line each.
+
+A backend module defines::
+
+    NAME                      registry name ("builtin", "qwen_vl", "llava")
+    MODEL_TYPES               HF config.json ``model_type`` values it trains (() for builtin)
+    configure(cfg) -> Config  fill the data path's settings from the checkpoint at cfg.model.path:
+                              image cost model (resize, patch/merge size, min/max pixels), pixel
+                              normalization, tokenizer and image token; refuse contradicting flags
+    create_model(cfg, ids)    -> torch.nn.Module with forward(batch, loss_only=True) ->
+                              (ce_sum fp32, n_target) on the dict a Train worker receives
+                              (batching/collate.py layout, tensors); HF backends expose .hf_model
+    export(model, cfg, dir)   the trained model in the family's own format (HF: save_pretrained of
+                              model + tokenizer + processor config)
+
+So the train loop never names a model class: it asks ``get_backend(cfg)``. The cost model
+(image size -> tokens / patches) runs in the data path from the ImageConfig that
+``configure`` filled, so measuring needs no torch.
+Pure module: no ray, no torch at import.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from types import ModuleType
+
+REGISTRY: dict[str, str] = {
+    "builtin": "ray_mmbatch.models.builtin",
+    "qwen_vl": "ray_mmbatch.models.qwen_vl",
+    "llava": "ray_mmbatch.models.llava",
+}
+
+
+def backend_module(name: str) -> ModuleType:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown model backend {name!r}; choose one of {sorted(REGISTRY)}")
+    return importlib.import_module(REGISTRY[name])
+
+
+def checkpoint_model_type(path: str) -> str:
+    """``model_type`` of a local HF checkpoint directory (its config.json)."""
+    cfg_file = Path(path) / "config.json"
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model path {path!r} is not a directory (expected a local Hugging Face "
+                                "checkpoint: config.json, weights, tokenizer, preprocessor_config.json)")
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json, so not a Hugging Face checkpoint directory")
+    try:
+        return str(json.loads(cfg_file.read_text())["model_type"])
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{cfg_file}: cannot read model_type ({e})") from None
+
+
+def backend_name(model_cfg) -> str:
+    """The registry name for this ModelConfig: explicit, builtin without a path, else by model_type."""
+    if model_cfg.backend != "auto":
+        backend_module(model_cfg.backend)  # validates the name
+        return model_cfg.backend
+    if not model_cfg.path:
+        return "builtin"
+    model_type = checkpoint_model_type(model_cfg.path)
+    for name in REGISTRY:
+        if model_type in getattr(backend_module(name), "MODEL_TYPES", ()):
+            return name
+    known = {n: list(getattr(backend_module(n), "MODEL_TYPES", ())) for n in REGISTRY}
+    raise ValueError(f"{model_cfg.path}: model_type {model_type!r} has no backend; supported: {known}")
+
+
+def get_backend(cfg) -> ModuleType:
+    """The backend module for a Config (see the module docstring for what it defines)."""
+    return backend_module(backend_name(cfg.model))

@@ -1,0 +1,137 @@
+"""What every Hugging Face backend shares: loading a checkpoint, the loss-only forward, pixels, export.
+
+``HFModel`` wraps a transformers ``*ForConditionalGeneration`` so it has the built-in model's
+contract: ``forward(batch, loss_only=True) -> (ce_sum fp32, n_target)`` on the dict a Train
+worker receives (batching/collate.py layout, as tensors). A backend supplies ``adapter(batch)
+-> kwargs`` for the HF base model (``hf_model.model``) and the vision submodules. The loss is
+ours, not HF's: our labels are already shifted (labels[t] is the target of position t), and
+only target positions go through the LM head, so a 16k-token pack never makes [T, V] logits;
+normalization across micro-batches and ranks stays train/step.py's (sum here, divide there).
+``use_cache=False`` always: with a cache HF stops detecting packed sequences and attention
+crosses samples.
+
+Pixels travel as uint8 patches (data/image.py patchify order) and are normalized here, on the
+training device: ``(x / 255 - mean) / std`` per channel, repeated over ``temporal_patch_size``
+(a still image is ``temporal`` identical frames), the layout HF's Qwen-VL processors emit.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ray_mmbatch.schema import IGNORE_INDEX
+
+# files of a checkpoint dir that describe the tokenizer / processor (copied on export)
+_SIDE_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja",
+               "video_preprocessor_config.json", "generation_config.json")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return {}
+    except ValueError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def checkpoint_files(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config.json, preprocessor_config.json) of a checkpoint dir; the second may be {}."""
+    root = Path(path)
+    return read_json(root / "config.json"), read_json(root / "preprocessor_config.json")
+
+
+def resolve_attn_implementation(requested: str, device_type: str) -> str:
+    """'auto' -> flash_attention_2 on CUDA with flash_attn installed, else sdpa."""
+    if requested != "auto":
+        return requested
+    if device_type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
+
+
+def load_hf_model(path: str, attn_implementation: str = "auto", device_type: str = "cpu"):
+    """The checkpoint's ``*ForConditionalGeneration`` in fp32 (autocast does the low precision)."""
+    from transformers import AutoModelForImageTextToText
+
+    impl = resolve_attn_implementation(attn_implementation, device_type)
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
+
+
+def normalize_patches(patches: torch.Tensor, mean, std, temporal: int = 1) -> torch.Tensor:
+    """uint8 [P, 3 * ps * ps] (channel-major patches) -> float32 [P, 3 * temporal * ps * ps].
+
+    Each patch vector becomes (channel, frame, py, px), frames identical: Qwen-VL's
+    ``pixel_values`` row layout. ``temporal=1`` gives CLIP-style normalized patches.
+    """
+    p = patches.shape[0]
+    x = patches.reshape(p, 3, -1).to(torch.float32) * (1.0 / 255.0)
+    m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(1, 3, 1)
+    s = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(1, 3, 1)
+    x = (x - m) / s
+    if temporal > 1:
+        x = x[:, :, None, :].expand(p, 3, temporal, x.shape[-1])
+    return x.reshape(p, -1)
+
+
+class HFModel(nn.Module):
+    """A transformers VLM with the project's forward contract (see module docstring).
+
+    ``adapter(batch) -> dict`` gives the HF base model's kwargs for one batch;
+    ``vision(hf_model) -> list[nn.Module]`` names the vision submodules, kept in the
+    autograd graph with zero gradient when a batch has no image (DDP wants every
+    parameter used on every rank).
+    """
+
+    def __init__(self, hf_model: nn.Module, adapter: Callable[[dict], dict[str, Any]],
+                 vision: Callable[[nn.Module], list[nn.Module]]):
+        super().__init__()
+        self.hf_model = hf_model
+        self._adapter = adapter
+        self._vision = vision
+
+    def forward_inputs(self, batch: dict) -> dict[str, Any]:
+        """The kwargs the HF base model gets for this batch (use_cache=False included)."""
+        kwargs = self._adapter(batch)
+        kwargs["use_cache"] = False
+        return kwargs
+
+    def forward(self, batch: dict, loss_only: bool = False):
+        hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
+        patches = batch.get("patches")
+        if torch.is_grad_enabled() and (patches is None or patches.shape[0] == 0):
+            hidden = hidden + 0.0 * sum(p.sum() for m in self._vision(self.hf_model) for p in m.parameters())
+        if not loss_only:
+            return self.hf_model.lm_head(hidden)
+        labels = batch["labels"]
+        is_target = labels != IGNORE_INDEX
+        logits = self.hf_model.lm_head(hidden[is_target]).float()  # fp32 CE even under autocast
+        return F.cross_entropy(logits, labels[is_target].long(), reduction="sum"), is_target.sum()
+
+
+def export_hf(model: nn.Module, cfg, directory) -> Path:
+    """save_pretrained of the model + the tokenizer, and the checkpoint's processor files copied."""
+    from ray_mmbatch.data.text import load_tokenizer
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    hf = getattr(model, "module", model)
+    hf = getattr(hf, "hf_model", hf)
+    hf.save_pretrained(d, safe_serialization=True)
+    load_tokenizer(cfg.text.tokenizer or cfg.model.path).save_pretrained(d)
+    src = Path(cfg.model.path)
+    for name in _SIDE_FILES:
+        if (src / name).is_file() and not (d / name).exists():
+            shutil.copyfile(src / name, d / name)
+    return d
