@@ -107,6 +107,14 @@ class HFModel(nn.Module):
         kwargs["use_cache"] = False
         return kwargs
 
+    def target_ce(self, batch: dict) -> torch.Tensor:
+        """fp32 CE of every target token, in sequence order (row-major over the batch): for exactness checks."""
+        hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
+        labels = batch["labels"]
+        is_target = labels != IGNORE_INDEX
+        logits = self.hf_model.lm_head(hidden[is_target]).float()
+        return F.cross_entropy(logits, labels[is_target].long(), reduction="none")
+
     def forward(self, batch: dict, loss_only: bool = False):
         hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
         patches = batch.get("patches")
