@@ -17,6 +17,7 @@ training device: ``(x / 255 - mean) / std`` per channel, repeated over ``tempora
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -42,9 +43,60 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_files(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(config.json, preprocessor_config.json) of a checkpoint dir; the second may be {}."""
+    """(config.json, image processor settings) of a checkpoint dir; the second may be {}.
+
+    The image processor's settings are preprocessor_config.json, or, in checkpoints saved by
+    newer processors that write one composite file, processor_config.json's "image_processor".
+    """
     root = Path(path)
-    return read_json(root / "config.json"), read_json(root / "preprocessor_config.json")
+    processor = read_json(root / "preprocessor_config.json")
+    if not processor:
+        nested = read_json(root / "processor_config.json").get("image_processor")
+        processor = nested if isinstance(nested, dict) else {}
+    return read_json(root / "config.json"), processor
+
+
+def flag_name(key: str) -> str:
+    """How a user sets config field ``key`` ("section.field"): its command-line flag, else --set."""
+    from ray_mmbatch.cli import FLAGS
+
+    return next((flag for flag, k in FLAGS.items() if k == key), f"--set {key}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-9)
+    return a == b
+
+
+def adopt_setting(cfg, key: str, value: Any, source: str, user_may_override: bool = False) -> None:
+    """Set config field ``key`` ("section.field") to the checkpoint's ``value``, read from ``source``.
+
+    A field still at its ``Config()`` default takes the checkpoint's value. A field the user
+    changed (differs from the default) and that contradicts it is refused with a ValueError
+    naming the flag and both values, unless ``user_may_override`` (a free choice such as an image
+    resolution bound, where the user's value wins). A user value equal to the default cannot
+    be told from an unset one, so it is replaced by the checkpoint's.
+    """
+    from ray_mmbatch.config import Config
+
+    section_name, _, name = key.partition(".")
+    section = getattr(cfg, section_name)
+    default = getattr(getattr(Config(), section_name), name)
+    if isinstance(default, tuple):
+        value = tuple(type(default[0])(v) for v in value) if default else tuple(value)
+    elif default is not None and not isinstance(value, type(default)):
+        value = type(default)(value)
+    current = getattr(section, name)
+    if not _same(current, default) and not _same(current, value):
+        if user_may_override:
+            return
+        raise ValueError(f"{key} = {current!r} ({flag_name(key)}) contradicts the checkpoint: {source} says "
+                         f"{value!r}. Drop the setting (the checkpoint's value is then used) or use a matching "
+                         "checkpoint.")
+    setattr(section, name, value)
 
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
