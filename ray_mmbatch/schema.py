@@ -48,6 +48,7 @@ SKIP_NOT_AN_IMAGE = "not_an_image"                # Pillow cannot identify it
 SKIP_UNSUPPORTED_FORMAT = "unsupported_format"    # identified, but not an allowed format
 SKIP_DECOMPRESSION_BOMB = "decompression_bomb"    # header pixel count over the limit
 SKIP_CORRUPT_IMAGE = "corrupt_image"              # header fine, pixel data broken / truncated
+SKIP_EXTREME_ASPECT = "extreme_aspect"            # long side / short side > ImageConfig.max_aspect (HF Qwen-VL: 200)
 SKIP_PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # <image> placeholders != number of images
 SKIP_TEXT_ENCODING = "text_encoding"              # text cannot be encoded (e.g. lone surrogates)
 SKIP_EMPTY_TEXT = "empty_text"                    # nothing to train on (no target tokens)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from PIL import Image
+from PIL import Image, JpegImagePlugin
 from skimage import data as skdata
 
 from ray_mmbatch import schema as S
@@ -19,6 +19,11 @@ from ray_mmbatch.data.image import (ImageSkip, decode_image, image_grid, patch_p
                                     smart_resize, unpatchify)
 
 CFG = ImageConfig()
+
+
+def decode(data: bytes, size_hw: tuple[int, int], cfg: ImageConfig = CFG):
+    """decode_image at a pixel size (multiples of patch_size) instead of a grid."""
+    return decode_image(data, (1, size_hw[0] // cfg.patch_size, size_hw[1] // cfg.patch_size), cfg)
 
 
 def encode(img: Image.Image, fmt: str, **kw) -> bytes:
@@ -71,7 +76,7 @@ def test_decompression_bomb_refused_from_header_without_decoding():
     bomb = png_header_only(100_000, 100_000)
     t0 = time.perf_counter()
     assert skip_reason(probe_image, bomb, CFG) == S.SKIP_DECOMPRESSION_BOMB
-    assert skip_reason(decode_image, bomb, (28, 28)) == S.SKIP_DECOMPRESSION_BOMB
+    assert skip_reason(decode, bomb, (28, 28)) == S.SKIP_DECOMPRESSION_BOMB
     assert time.perf_counter() - t0 < 0.5
     # our own limit applies below Pillow's, still from the header
     small_limit = ImageConfig(max_header_pixels=100 * 100 - 1)
@@ -85,7 +90,7 @@ def test_truncated_files_probe_fine_but_decode_is_corrupt():
         full = encode(photo, fmt)
         cut = full[: len(full) // 2]
         assert probe_image(cut, CFG) == (300, 451)
-        assert skip_reason(decode_image, cut, (56, 84)) == S.SKIP_CORRUPT_IMAGE, fmt
+        assert skip_reason(decode, cut, (56, 84)) == S.SKIP_CORRUPT_IMAGE, fmt
     assert not getattr(__import__("PIL.ImageFile").ImageFile, "LOAD_TRUNCATED_IMAGES")
 
 
@@ -93,62 +98,72 @@ def test_truncated_files_probe_fine_but_decode_is_corrupt():
 @settings(max_examples=300, deadline=None)
 @given(st.integers(1, 20_000), st.integers(1, 20_000))
 def test_smart_resize_bounds(h, w):
+    if max(h, w) / min(h, w) > CFG.max_aspect:
+        assert skip_reason(smart_resize, h, w, CFG) == S.SKIP_EXTREME_ASPECT
+        assert skip_reason(image_grid, h, w, CFG) == S.SKIP_EXTREME_ASPECT
+        return
     rh, rw = smart_resize(h, w, CFG)
     f = CFG.factor
     assert rh % f == 0 and rw % f == 0 and rh >= f and rw >= f
-    assert rh * rw <= CFG.max_pixels
-    if max(h, w) / min(h, w) <= 50:  # min_pixels is soft only when the clamp for extreme aspect kicks in
-        assert rh * rw >= CFG.min_pixels
+    # HF's bounds hold for every aspect <= 200 when max_pixels / 200 >= factor**2 (true of the defaults)
+    assert CFG.min_pixels <= rh * rw <= CFG.max_pixels
     if min(rh, rw) >= 4 * f:
         assert abs(np.log(rh / rw) - np.log(h / w)) < np.log(1.7)
     assert image_grid(h, w, CFG) == (1, rh // CFG.patch_size, rw // CFG.patch_size)
 
 
 def test_smart_resize_known_cases():
-    assert smart_resize(1, 1, ImageConfig(min_pixels=0)) == (28, 28)
     assert smart_resize(1, 1, CFG) == (56, 56)  # default min_pixels = 4 factors**2
     assert smart_resize(224, 224, CFG) == (224, 224)
     assert smart_resize(3000, 2000, CFG) == (532, 364)  # Qwen2-VL gives the same
-    for h, w in [(1, 4000), (4000, 1), (1, 100_000), (3, 60_000)]:
-        rh, rw = smart_resize(h, w, CFG)
-        assert rh * rw <= CFG.max_pixels and min(rh, rw) == 28 and max(rh, rw) >= 28 * 100
+    assert smart_resize(1, 200, CFG) == (28, 812) and smart_resize(200, 1, CFG) == (812, 28)  # HF's values
+    assert smart_resize(10, 600, CFG) == (28, 448)
+    for h, w in [(1, 201), (201, 1), (1, 4000), (3, 60_000)]:  # HF raises: the sample is skipped
+        assert skip_reason(smart_resize, h, w, CFG) == S.SKIP_EXTREME_ASPECT
     with pytest.raises(ValueError):
-        smart_resize(10, 10, ImageConfig(max_pixels=100))
+        smart_resize(10, 10, ImageConfig(min_pixels=0))  # HF refuses a zero shortest_edge too
+
+
+def test_fixed_grid_and_unknown_resize():
+    cfg = ImageConfig(resize="fixed", image_size=336, merge_size=1)
+    assert image_grid(480, 640, cfg) == image_grid(1, 1, cfg) == (1, 24, 24)
+    assert skip_reason(image_grid, 1, 201, cfg) == S.SKIP_EXTREME_ASPECT
+    with pytest.raises(ValueError):
+        image_grid(480, 640, ImageConfig(resize="dynamic"))
 
 
 # ------------------------------------------------------------------ decode
 def test_alpha_is_composited_on_white():
     rgba = Image.new("RGBA", (56, 56), (0, 0, 0, 0))  # fully transparent black
     rgba.paste((255, 0, 0, 255), (0, 0, 28, 56))      # opaque red left half
-    out = decode_image(encode(rgba, "PNG"), (56, 56))
+    out = decode(encode(rgba, "PNG"), (56, 56))
     assert out.dtype == np.uint8 and out.shape == (56, 56, 3)
     assert (out[:, 40:] == 255).all() and (out[:, :20] == [255, 0, 0]).all()
     la = Image.new("LA", (56, 56), (0, 0))
-    assert (decode_image(encode(la, "PNG"), (56, 56)) == 255).all()
+    assert (decode(encode(la, "PNG"), (56, 56)) == 255).all()
     p = Image.new("P", (56, 56), 0)
     p.putpalette([0, 0, 0, 0, 255, 0] + [0] * 762)
     p.paste(1, (0, 0, 28, 56))
-    out = decode_image(encode(p, "PNG", transparency=0), (56, 56))
+    out = decode(encode(p, "PNG", transparency=0), (56, 56))
     assert (out[:, 40:] == 255).all() and (out[:, :20] == [0, 255, 0]).all()
-    gif = decode_image(encode(p, "GIF", transparency=0), (56, 56))
+    gif = decode(encode(p, "GIF", transparency=0), (56, 56))
     assert (gif[:, 40:] == 255).all()
 
 
-def test_sixteen_bit_is_scaled_not_clipped():
-    ramp = np.tile(np.linspace(0, 65535, 56).astype(np.uint16), (56, 1))
+def test_sixteen_bit_is_clipped_like_hf():
+    """HF's convert_to_rgb is Pillow's convert: 16-bit grey values above 255 clip (they are not scaled by 1/257)."""
+    ramp = np.tile(np.linspace(0, 600, 56).astype(np.uint16), (56, 1))
     img = Image.fromarray(ramp)
     assert img.mode == "I;16"
-    out = decode_image(encode(img, "PNG"), (56, 56))
-    expected = np.rint(ramp / 257.0)
-    assert np.abs(out[..., 0].astype(int) - expected).max() <= 1
-    assert out[:, -1].min() == 255 and out[:, 0].max() == 0 and 120 < out[0, 28, 0] < 135
+    out = decode(encode(img, "PNG"), (56, 56))
+    np.testing.assert_array_equal(out, np.repeat(np.minimum(ramp, 255)[..., None], 3, -1))
 
 
 @pytest.mark.parametrize("mode", ["CMYK", "L", "1", "P", "YCbCr"])
 def test_every_mode_decodes_to_rgb(mode):
     img = Image.fromarray(skdata.astronaut()).resize((64, 48)).convert(mode)
     fmt = "JPEG" if mode in ("CMYK", "YCbCr") else "PNG"
-    out = decode_image(encode(img, fmt), (28, 56))
+    out = decode(encode(img, fmt), (28, 56))
     assert out.shape == (28, 56, 3) and out.dtype == np.uint8 and out.std() > 10
 
 
@@ -159,26 +174,39 @@ def test_exif_rotated_jpeg_decodes_upright():
     h, w = probe_image(data, CFG)
     assert (h, w) == (112, 160)
     size = smart_resize(h, w, CFG)
-    a = decode_image(data, size).astype(float)
-    b = decode_image(encode(upright, "JPEG", quality=95), size).astype(float)
+    a = decode(data, size).astype(float)
+    b = decode(encode(upright, "JPEG", quality=95), size).astype(float)
     assert np.abs(a - b).mean() < 6
     wrong = np.asarray(stored.resize(size[::-1] if size[0] != size[1] else size)).astype(float)
     assert wrong.shape != a.shape or np.abs(wrong - a).mean() > 20
 
 
-def test_big_jpeg_decodes_to_requested_size_quickly():
+@pytest.mark.parametrize("resize", ["smart", "fixed"])
+def test_big_jpeg_is_drafted_only_with_fast_decode(monkeypatch, resize):
     big = Image.fromarray(skdata.coffee()).resize((3000, 2000))
     data = encode(big, "JPEG", quality=85)
-    size = smart_resize(*probe_image(data, CFG), CFG)
-    t0 = time.perf_counter()
-    out = decode_image(data, size)
-    assert out.shape == (*size, 3)
-    assert time.perf_counter() - t0 < 0.5  # draft(): decoded at 1/4 scale
+    drafted = []
+    real_draft = JpegImagePlugin.JpegImageFile.draft
+
+    def spy(img, mode, size):
+        out = real_draft(img, mode, size)
+        drafted.append(img.size)  # the size Pillow will decode at
+        return out
+
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
+    for fast in (False, True):
+        cfg = ImageConfig(resize=resize, image_size=336, merge_size=1 if resize == "fixed" else 2, fast_decode=fast)
+        grid = image_grid(*probe_image(data, cfg), cfg)
+        out = decode_image(data, grid, cfg)
+        assert out.shape == (grid[1] * 14, grid[2] * 14, 3)
+    # exact decode never drafts; fast decode reads the DCT at 1/4 scale, still >= the resize target
+    # (smart: 532x364; fixed: 504x336 before the crop), not 1/8 (375x250)
+    assert drafted == [(750, 500)]
 
 
 def test_decode_refuses_formats_not_allowed():
     ico = encode(Image.new("RGB", (32, 32), "blue"), "ICO")
-    assert skip_reason(decode_image, ico, (28, 28), CFG.allowed_formats) == S.SKIP_NOT_AN_IMAGE
+    assert skip_reason(decode, ico, (28, 28)) == S.SKIP_NOT_AN_IMAGE
 
 
 # ------------------------------------------------------------------ patchify
@@ -256,6 +284,6 @@ def test_png_exif_orientation_before_or_after_pixel_data(exif_after_pixels):
     cfg = ImageConfig()
     h, w = probe_image(data, cfg)
     assert (h, w) == (40, 100)
-    img = decode_image(data, (28, 56))
+    img = decode_image(data, (1, 2, 4), cfg)
     assert img.shape == (28, 56, 3)
     assert img[:, :20, 0].mean() > 200 and img[:, -20:, 0].mean() < 50  # red half on the left, as upright

@@ -1,14 +1,30 @@
-"""Images: header probe, Qwen2-VL smart resize, decode to RGB, patchify in merge-window order.
+"""Images: header probe, resize as the checkpoint's HF processor does, decode to RGB, patchify.
+
+Exactness: with the default ``fast_decode=False`` the uint8 pixels equal what the HF image
+processor (PIL backend) sees after its own resize / crop, so ``models.hf_common.normalize_patches``
+gives HF's ``pixel_values`` (tests/test_image_hf.py, atol 1e-5): resize='smart' is Qwen2-VL's
+``smart_resize`` (Qwen2.5-VL and Qwen3-VL use the same processor; Qwen3-VL with patch 16),
+'fixed' is CLIP / LLaVA-1.5 (shortest edge to image_size, centre crop), 'fixed_pad' is LLaVA
+with ``do_pad`` (pad to a square of the mean colour first). Decoding is Pillow's, EXIF
+orientation applied (as HF's ``load_image`` does), then HF's ``convert_to_rgb`` (alpha and
+transparency keys composited on white; 16-bit / float greys clipped at 255 by Pillow, as in
+HF), then PIL bicubic on uint8 with no ``reducing_gap``. Where we differ, deliberately:
+aspect ratios above ``max_aspect`` (HF Qwen-VL: 200) are skipped (extreme_aspect) in every
+mode, also 'fixed' where HF would crop the middle; an unreadable EXIF block counts as upright.
+HF itself is not one thing here: its processors given an already-opened PIL image apply no
+EXIF orientation (we do, as its loader does), and its ``load_image`` drops alpha without
+compositing (we composite on white, as its processors do).
 
 Cost model: ``probe_image`` parses the header only (no pixel decoding, ~10-50 us; for
 PNG the EXIF orientation is read without Pillow's full decode unless a metadata chunk
 follows the pixel data), so measuring a sample's image tokens is cheap and exact before
 any pixel is touched (2,164 generated images: 0.83 s -> 0.08 s once PNGs stopped decoding).
-``decode_image`` is the expensive step (decode + resize, once per trained sample);
-big JPEGs are decoded at a reduced DCT scale (``draft``) and resized with
-``reducing_gap`` so a 3000x2000 photo costs about as much as a 750x500 one; grey images
-(documents, the largest here) are resized as one band before becoming RGB (same bytes,
-~25% less decode time over the generated mixture: 5.2 s -> 3.8 s for 2,164 images).
+``decode_image`` is the expensive step (once per trained sample): exact decode reads every
+JPEG at full scale, so its cost grows with the file's pixels, not the grid (about 2-5x the
+``fast_decode`` cost for 1-12 MP JPEGs, same for PNG; benchmarks/bench_decode.py).
+``fast_decode`` decodes big JPEGs at a reduced DCT scale (``draft``) and resizes with
+``reducing_gap``: cheaper, pixels no longer HF's. Grey images (documents, the largest here)
+are resized as one band before becoming RGB (same bytes as HF, ~1/3 the resize work).
 
 Patch order (what the model relies on), for a grid of gh x gw patches, merge m::
 
@@ -38,8 +54,9 @@ from ray_mmbatch.data.errors import SampleSkip
 _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 # Pillow names multi-picture camera JPEGs "MPO"; they are JPEGs for every purpose here.
 _FORMAT_ALIASES = {"MPO": "JPEG"}
-_SIXTEEN_BIT_MODES = frozenset({"I;16", "I;16L", "I;16B", "I;16N", "I"})
-_ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
+# ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad.
+RESIZE_MODES = ("smart", "fixed", "fixed_pad")
+_FIXED_MODES = frozenset({"fixed", "fixed_pad"})
 # PNG chunks that can carry EXIF / XMP orientation (Pillow reads those after IDAT only on load()).
 _PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")
 
@@ -109,74 +126,102 @@ def probe_image(data: bytes, cfg: ImageConfig) -> tuple[int, int]:
     return height, width
 
 
-def smart_resize(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:
-    """Qwen2-VL resize: sides multiples of ``factor``, aspect kept, min_pixels <= area <= max_pixels.
-
-    Unlike Qwen2-VL this never raises on extreme aspect ratios: after the usual
-    scaling, a side below one factor is raised to one factor and the long side is
-    clamped so the area still fits max_pixels (max_pixels is a hard budget,
-    min_pixels a soft one).
-    """
-    f = cfg.factor
+def _check_aspect(height: int, width: int, cfg: ImageConfig) -> None:
     if height < 1 or width < 1:
         raise ValueError(f"image size must be positive, got {height}x{width}")
-    if cfg.max_pixels < f * f or cfg.min_pixels > cfg.max_pixels:
-        raise ValueError(f"need factor**2 ({f * f}) <= max_pixels ({cfg.max_pixels}) and min_pixels <= max_pixels")
-    h = max(f, round(height / f) * f)
-    w = max(f, round(width / f) * f)
-    if h * w > cfg.max_pixels:
-        beta = math.sqrt(height * width / cfg.max_pixels)
-        h = max(f, math.floor(height / beta / f) * f)
-        w = max(f, math.floor(width / beta / f) * f)
-    elif h * w < cfg.min_pixels:
-        beta = math.sqrt(cfg.min_pixels / (height * width))
-        h = math.ceil(height * beta / f) * f
-        w = math.ceil(width * beta / f) * f
-    if h * w > cfg.max_pixels:  # extreme aspect: the short side was raised to one factor
-        if h >= w:
-            h = max(f, cfg.max_pixels // (w * f) * f)
-        else:
-            w = max(f, cfg.max_pixels // (h * f) * f)
-    return h, w
+    aspect = max(height, width) / min(height, width)
+    if aspect > cfg.max_aspect:  # HF's Qwen-VL smart_resize raises here (its limit is 200)
+        raise ImageSkip(S.SKIP_EXTREME_ASPECT, f"{width}x{height}: aspect {aspect:.1f} > max_aspect={cfg.max_aspect:g}")
+
+
+def smart_resize(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:
+    """HF Qwen2-VL ``smart_resize`` (also Qwen2.5-VL, Qwen3-VL), formula for formula.
+
+    Sides become multiples of ``factor`` (patch_size * merge_size), the area is pulled into
+    [min_pixels, max_pixels] keeping the aspect. As in HF the bounds are not hard: a side
+    is never below one factor, so a thin image can end above max_pixels (when max_pixels /
+    aspect < factor**2; not with the default settings). Aspect > ``cfg.max_aspect`` raises
+    ImageSkip(extreme_aspect) where HF raises ValueError.
+    """
+    _check_aspect(height, width, cfg)
+    f, min_pixels, max_pixels = cfg.factor, cfg.min_pixels, cfg.max_pixels
+    if min_pixels < 1 or max_pixels < 1:  # HF's processor refuses a falsy shortest_edge / longest_edge too
+        raise ValueError(f"min_pixels ({min_pixels}) and max_pixels ({max_pixels}) must be >= 1")
+    h_bar = round(height / f) * f
+    w_bar = round(width / f) * f
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(f, math.floor(height / beta / f) * f)
+        w_bar = max(f, math.floor(width / beta / f) * f)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / f) * f
+        w_bar = math.ceil(width * beta / f) * f
+    return h_bar, w_bar
+
+
+def shortest_edge_resize(height: int, width: int, size: int) -> tuple[int, int]:
+    """HF ``get_resize_output_image_size(size, default_to_square=False)``: short side -> size, long side truncated."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = size, int(size * long / short)
+    return (new_long, new_short) if width <= height else (new_short, new_long)
 
 
 def image_grid(height: int, width: int, cfg: ImageConfig) -> tuple[int, int, int]:
-    """(t, gh, gw) in patches for an image of this displayed size; t == 1 for still images."""
-    h, w = smart_resize(height, width, cfg)
-    return 1, h // cfg.patch_size, w // cfg.patch_size
+    """(t, gh, gw) in patches for an image of this displayed size (HF's ``image_grid_thw``; t == 1)."""
+    _check_aspect(height, width, cfg)
+    ps = cfg.patch_size
+    if cfg.resize == "smart":
+        h, w = smart_resize(height, width, cfg)
+        return 1, h // ps, w // ps
+    if cfg.resize in _FIXED_MODES:
+        if cfg.image_size % ps:
+            raise ValueError(f"image_size {cfg.image_size} is not a multiple of patch_size {ps}")
+        if cfg.resize == "fixed_pad" and max(height, width) ** 2 > cfg.max_header_pixels:
+            raise ImageSkip(S.SKIP_DECOMPRESSION_BOMB, f"{width}x{height} padded to a square is over "
+                                                       f"max_header_pixels={cfg.max_header_pixels}")
+        return 1, cfg.image_size // ps, cfg.image_size // ps
+    raise ValueError(f"unknown resize {cfg.resize!r}; expected one of {RESIZE_MODES}")
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode -> 8-bit RGB; transparency is composited on white (not black)."""
-    mode = img.mode
-    if mode in _SIXTEEN_BIT_MODES or mode == "F":
-        a = np.asarray(img).astype(np.float32)
-        if mode == "F":
-            a = a * 255.0 if a.size and a.max() <= 1.0 else a
-        else:
-            a = a / 257.0  # 16-bit range -> 8-bit; Pillow's own convert would clip at 255 instead
-        return Image.fromarray(np.clip(np.rint(a), 0, 255).astype(np.uint8)).convert("RGB")
-    if mode in _ALPHA_MODES or "transparency" in img.info:
+    """HF ``convert_to_rgb``: alpha or a transparency key -> composited on white; else Pillow's convert.
+
+    Like HF this clips 16-bit / 32-bit / float greys at 255 (Pillow's I;16 -> L) rather than scaling them.
+    """
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
         rgba = img.convert("RGBA")
         white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(white, rgba).convert("RGB")
-    return img if mode == "RGB" else img.convert("RGB")
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def decode_image(data: bytes, size_hw: tuple[int, int], formats: tuple[str, ...] | None = None) -> np.ndarray:
-    """Decode, EXIF-transpose, convert to RGB and resize (bicubic) -> uint8 [H, W, 3].
+def _pad_to_square(rgb: Image.Image, mean) -> Image.Image:
+    """HF LlavaImageProcessor ``pad_to_square`` (do_pad): centred on a square of int(mean * 255)."""
+    w, h = rgb.size
+    if w == h:
+        return rgb
+    side = max(w, h)
+    square = Image.new("RGB", (side, side), tuple(int(m * 255) for m in mean))
+    square.paste(rgb, (0, (side - h) // 2) if w > h else ((side - w) // 2, 0))
+    return square
 
-    ``formats`` restricts which Pillow plugins may open the bytes (pass
-    ImageConfig.allowed_formats so nothing else is ever decoded).
-    Broken pixel data raises ImageSkip(corrupt_image); truncated files are never accepted.
+
+def _load(data: bytes, cfg: ImageConfig, draft_hw=None) -> tuple[Image.Image, tuple[int, int]]:
+    """Open, decode and EXIF-transpose (as HF's load_image) -> (image, full-size displayed (h, w)).
+
+    With ``draft_hw`` (fast_decode) a JPEG is decoded at the smallest DCT scale that stays at
+    least that size, so the image can be smaller than the returned full size.
     """
-    h, w = int(size_hw[0]), int(size_hw[1])
-    img = _open(data, formats)
+    img = _open(data, cfg.allowed_formats)
     try:
         orientation = _orientation(img, data)
-        if img.format in ("JPEG", "MPO"):
+        w, h = img.size
+        full_hw = (w, h) if orientation in _SWAPS_SIDES else (h, w)
+        if draft_hw is not None and img.format in ("JPEG", "MPO"):
             # draft() picks the largest DCT scale (1/2, 1/4, 1/8) that stays >= the requested size.
-            img.draft(None, (h, w) if orientation in _SWAPS_SIDES else (w, h))
+            dh, dw = draft_hw
+            img.draft(None, (dh, dw) if orientation in _SWAPS_SIDES else (dw, dh))
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.load()
@@ -186,17 +231,61 @@ def decode_image(data: bytes, size_hw: tuple[int, int], formats: tuple[str, ...]
         raise ImageSkip(S.SKIP_DECOMPRESSION_BOMB, str(e)) from None
     except Exception as e:  # Pillow's decoders raise OSError, SyntaxError, ValueError, EOFError, zlib/struct errors
         raise ImageSkip(S.SKIP_CORRUPT_IMAGE, f"pixel data: {type(e).__name__}: {e}") from None
-    if img.mode == "L" and "transparency" not in img.info and img.size != (w, h):
+    return img, full_hw
+
+
+def _target_hw(full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConfig) -> tuple[int, int]:
+    """Size the (padded) image is resized to: the grid's for 'smart', the shortest-edge size for the fixed modes."""
+    if cfg.resize not in _FIXED_MODES:
+        return out_hw
+    h, w = full_hw
+    if cfg.resize == "fixed_pad":
+        h = w = max(h, w)
+    return shortest_edge_resize(h, w, cfg.image_size)
+
+
+def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
+    """Decode -> EXIF transpose -> RGB -> resize (-> crop) to ``grid_thw`` -> uint8 [gh*ps, gw*ps, 3].
+
+    resize='smart': bicubic to the grid's size. 'fixed': shortest edge to image_size, centre
+    crop; 'fixed_pad' first pads to a square of the mean colour (LLaVA ``do_pad``). Only
+    ``cfg.allowed_formats`` are opened. Broken pixel data raises ImageSkip(corrupt_image);
+    truncated files are never accepted. Unless ``cfg.fast_decode``, the pixels are those of
+    the HF image processor (PIL backend) given the EXIF-transposed image.
+    """
+    _, gh, gw = (int(v) for v in grid_thw)
+    out_hw = (gh * cfg.patch_size, gw * cfg.patch_size)
+    fixed = cfg.resize in _FIXED_MODES
+    if fixed and out_hw != (cfg.image_size, cfg.image_size):
+        raise ValueError(f"grid {tuple(grid_thw)} is not image_size {cfg.image_size} in patches of {cfg.patch_size}")
+    if cfg.fast_decode:
+        img, full_hw = _load(data, cfg, draft_hw=_target_hw(probe_image(data, cfg), out_hw, cfg))
+    else:
+        img, full_hw = _load(data, cfg)
+    if cfg.resize == "fixed_pad":
+        img = _pad_to_square(_rgb_or_skip(img), cfg.image_mean)
+    size_hw = _target_hw(full_hw, out_hw, cfg)
+    wh = (size_hw[1], size_hw[0])
+    gap = 3.0 if cfg.fast_decode else None
+    if img.mode == "L" and img.info.get("transparency") is None and img.size != wh:
         # Grey pages (documents) are the biggest images: resizing one band, then replicating it,
         # gives the same bytes as convert-then-resize (resampling is per band) at ~1/3 the work.
-        img = img.resize((w, h), Image.Resampling.BICUBIC, reducing_gap=3.0)
+        img = img.resize(wh, Image.Resampling.BICUBIC, reducing_gap=gap)
+    rgb = _rgb_or_skip(img)
+    if rgb.size != wh:
+        rgb = rgb.resize(wh, Image.Resampling.BICUBIC, reducing_gap=gap)
+    out = np.asarray(rgb, dtype=np.uint8)
+    if fixed:  # HF center_crop: top-left corner at ((H - S) // 2, (W - S) // 2); the resize never undershoots S
+        top, left = (size_hw[0] - out_hw[0]) // 2, (size_hw[1] - out_hw[1]) // 2
+        out = out[top:top + out_hw[0], left:left + out_hw[1]]
+    return out
+
+
+def _rgb_or_skip(img: Image.Image) -> Image.Image:
     try:
-        rgb = _to_rgb(img)
+        return _to_rgb(img)
     except ValueError as e:  # e.g. a mode Pillow cannot convert to RGB
         raise ImageSkip(S.SKIP_UNSUPPORTED_FORMAT, f"mode {img.mode}: {e}") from None
-    if rgb.size != (w, h):
-        rgb = rgb.resize((w, h), Image.Resampling.BICUBIC, reducing_gap=3.0)
-    return np.asarray(rgb, dtype=np.uint8)
 
 
 def _check_grid(gh: int, gw: int, merge_size: int) -> None:

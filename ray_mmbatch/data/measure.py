@@ -221,8 +221,7 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     images = _items(row[S.IMAGES])
     if len(images) != len(grids):
         raise ValueError(f"{row[S.SAMPLE_ID]}: {len(images)} images for {len(grids)} grids")
-    patches = [patchify(decode_image(data, (int(g[1]) * ps, int(g[2]) * ps), image_cfg.allowed_formats), image_cfg)
-               for data, g in zip(images, grids)]
+    patches = [patchify(decode_image(data, g, image_cfg), image_cfg) for data, g in zip(images, grids)]
     patches = np.concatenate(patches) if patches else np.zeros((0, 3 * ps * ps), dtype=np.uint8)
     if patches.shape[0] != int(row[S.PATCHES]):
         raise ValueError(f"{row[S.SAMPLE_ID]}: {patches.shape[0]} patches, measured {int(row[S.PATCHES])}")
