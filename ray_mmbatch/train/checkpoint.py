@@ -9,6 +9,12 @@ Ray Data draws its windows differently this time.
 Every file is written to a temporary name and renamed, ``state.json`` last: a
 directory without ``state.json`` is not a checkpoint, so a save that dies half
 way leaves the previous checkpoint the newest usable one. Pure torch, no Ray.
+
+The sharded layout (FSDP, written by train/fsdp.py ``save_sharded``) replaces
+``model.pt`` / ``optim.pt`` by DCP's ``.metadata`` plus one ``__<rank>_0.distcp``
+per rank and ``scheduler.pt``; it is complete when ``state.json`` is there and
+every shard file ``.metadata`` names is there at full length (the ranks' parts
+arrive separately, so a missing one must not pass for a checkpoint).
 """
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from typing import Any
 import torch
 
 STATE = "state.json"
+SHARDED_INDEX = ".metadata"   # torch.distributed.checkpoint's index, written by rank 0 after every shard
+SCHEDULER = "scheduler.pt"    # sharded layout: the scheduler state (rank 0)
 LATEST = "latest_checkpoint.json"  # in the output dir: where the newest complete checkpoint lives
 
 
@@ -32,7 +40,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
+def atomic_torch_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
@@ -42,15 +50,41 @@ def save_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer, sc
                     state: dict[str, Any]) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save(model.state_dict(), d / "model.pt")
-    _atomic_torch_save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, d / "optim.pt")
-    _atomic_write_bytes(d / STATE, json.dumps(state).encode())
+    atomic_torch_save(model.state_dict(), d / "model.pt")
+    atomic_torch_save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, d / "optim.pt")
+    write_state(d, state)
     return d
+
+
+def write_state(directory: str | Path, state: dict[str, Any]) -> None:
+    """``state.json``, atomically: call it last, it is what marks the checkpoint complete."""
+    _atomic_write_bytes(Path(directory) / STATE, json.dumps(state).encode())
+
+
+def is_sharded(directory: str | Path) -> bool:
+    return (Path(directory) / SHARDED_INDEX).is_file()
+
+
+def _shards_present(d: Path) -> bool:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(d)).read_metadata().storage_data or {}
+    except Exception:  # an unreadable index is an incomplete checkpoint, whatever the reason
+        return False
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    return all((d / f).is_file() and (d / f).stat().st_size >= n for f, n in need.items())
 
 
 def is_complete(directory: str | Path) -> bool:
     d = Path(directory)
-    return all((d / f).is_file() for f in ("model.pt", "optim.pt", STATE))
+    if not (d / STATE).is_file():
+        return False
+    if is_sharded(d):
+        return (d / SCHEDULER).is_file() and _shards_present(d)
+    return all((d / f).is_file() for f in ("model.pt", "optim.pt"))
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
@@ -59,6 +93,8 @@ def load_state(directory: str | Path) -> dict[str, Any]:
 
 def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
     d = Path(directory)
+    if is_sharded(d):
+        raise ValueError(f"{d} is a sharded (FSDP) checkpoint: shard the model, then train.fsdp.load_sharded")
     if not is_complete(d):
         raise FileNotFoundError(f"{d} is not a complete checkpoint (model.pt, optim.pt, {STATE})")
     model.load_state_dict(torch.load(d / "model.pt", map_location="cpu", weights_only=True))

@@ -1,0 +1,229 @@
+"""FSDP2 on two CPU processes (gloo): the math of one unsharded process, exact resume from sharded checkpoints.
+
+One spawn runs every distributed scenario (two interpreters importing torch cost
+most of the time) and leaves its findings in files; the tests below read them.
+Rank 0's batches hold images where rank 1's hold none, so the ranks run different
+parts of the model: the case that decides which modules may be FSDP units.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ray_mmbatch.batching.collate import collate_pack
+from ray_mmbatch.config import ImageConfig, ModelConfig, TrainConfig
+from ray_mmbatch.models.builtin import build_model
+from ray_mmbatch.models.hf_common import HFModel
+from ray_mmbatch.schema import IGNORE_INDEX
+from ray_mmbatch.train import checkpoint as ckpt
+from ray_mmbatch.train import fsdp
+from ray_mmbatch.train.step import build_optimizer, optimizer_step
+
+WORLD, VOCAB, IMAGE_ID, PAD_ID, PS = 2, 300, 5, 0, 4
+MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, vision_d_model=16, vision_layers=2, vision_heads=2,
+                    attention="sdpa")
+IMAGE = ImageConfig(patch_size=PS, merge_size=2)
+TRAIN = TrainConfig(lr=1e-3, warmup_steps=1, grad_clip=1.0, precision="fp32")   # grad norm ~2: clipping acts
+STATE = {"step": 2, "consumed": ["0:a", "0:b"]}
+
+
+def new_model(seed: int = 0):
+    return build_model(MODEL, IMAGE, VOCAB, IMAGE_ID, PAD_ID, seed=seed)
+
+
+def sample(rng: np.random.Generator, n_text: int, n_images: int) -> dict:
+    """Images first (one token per 2x2-patch image), then text; every text token after the first is a target."""
+    ids = np.concatenate([np.full(n_images, IMAGE_ID), rng.integers(10, VOCAB, n_text)]).astype(np.int32)
+    labels = np.full(len(ids), IGNORE_INDEX, np.int32)
+    labels[n_images:-1] = ids[n_images + 1:]
+    return {"sample_id": str(rng.integers(10**9)), "input_ids": ids, "labels": labels,
+            "patches": rng.integers(0, 256, (4 * n_images, 3 * PS * PS), dtype=np.uint8),
+            "grids": np.tile(np.array([[1, 2, 2]], np.int32), (n_images, 1))}
+
+
+def step_batches() -> list[list[dict]]:
+    """batches[step][rank]: rank 0 with images, rank 1 text only (steps 0 and 2), different target counts."""
+    rng = np.random.default_rng(0)
+    return [[collate_pack([sample(rng, 9, 1), sample(rng, 6, 2)], PAD_ID), collate_pack([sample(rng, 5, 0)], PAD_ID)],
+            [collate_pack([sample(rng, 7, 1)], PAD_ID), collate_pack([sample(rng, 8, 1), sample(rng, 4, 0)], PAD_ID)],
+            [collate_pack([sample(rng, 6, 1)], PAD_ID), collate_pack([sample(rng, 11, 0)], PAD_ID)]]
+
+
+def _worker(rank: int, tmp: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=WORLD)
+    try:
+        _scenarios(rank, Path(tmp))
+    finally:
+        dist.destroy_process_group()
+
+
+def _scenarios(rank: int, tmp: Path) -> None:
+    batches = step_batches()
+    out: dict = {"units": [type(u).__name__ for u in fsdp.shard_units(new_model())]}
+    model = fsdp.shard_model(new_model(), "cpu")
+    out["full_before"] = fsdp.full_state_dict(model)
+    opt, sched = build_optimizer(model, TRAIN, 10)
+    out["steps"] = [optimizer_step(model, [batches[s][rank]], opt, sched, TRAIN, "cpu") for s in (0, 1)]
+    out["full_after"] = fsdp.full_state_dict(model)
+
+    # each rank saves into its own directory; rank 0 then merges them as Ray Train's upload does
+    fsdp.save_sharded(tmp / f"rank{rank}", model, opt, sched, STATE)
+    out["lr_saved"] = sched.get_last_lr()
+    if rank == 0:
+        merged = tmp / "merged"
+        merged.mkdir()
+        for r in range(WORLD):
+            for f in sorted((tmp / f"rank{r}").iterdir()):
+                assert not (merged / f.name).exists(), f"rank {r} would overwrite {f.name}"
+                shutil.copy(f, merged / f.name)
+    dist.barrier()
+    out["continued"] = optimizer_step(model, [batches[2][rank]], opt, sched, TRAIN, "cpu")
+    out["full_continued"] = fsdp.full_state_dict(model)
+
+    fresh = fsdp.shard_model(new_model(seed=1), "cpu")          # other weights: the load must replace them
+    opt2, sched2 = build_optimizer(fresh, TRAIN, 10)
+    out["state"] = fsdp.load_sharded(tmp / "merged", fresh, opt2, sched2)
+    out["lr_restored"] = sched2.get_last_lr()
+    out["resumed"] = optimizer_step(fresh, [batches[2][rank]], opt2, sched2, TRAIN, "cpu")
+    out["full_resumed"] = fsdp.full_state_dict(fresh)
+
+    bf16 = fsdp.shard_model(new_model(), "cpu", mixed_precision=torch.bfloat16)
+    out["bf16_param_dtype"] = str(next(bf16.parameters()).dtype)   # the fp32 shards the optimizer sees
+    opt3, sched3 = build_optimizer(bf16, TRAIN, 10)
+    out["bf16_step"] = optimizer_step(bf16, [batches[0][rank]], opt3, sched3,
+                                      dataclasses.replace(TRAIN, precision="bf16"), "cpu")
+    torch.save(out, tmp / f"out{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> tuple[Path, dict, dict]:
+    tmp = tmp_path_factory.mktemp("fsdp")
+    mp.spawn(_worker, args=(str(tmp),), nprocs=WORLD, join=True)
+    return tmp, torch.load(tmp / "out0.pt", weights_only=False), torch.load(tmp / "out1.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The same steps in one unsharded process, each step's micro-batches = every rank's batch of that step."""
+    batches = step_batches()
+    model = new_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt, sched = build_optimizer(model, TRAIN, 10)
+    steps = [optimizer_step(model, batches[s], opt, sched, TRAIN, "cpu") for s in (0, 1)]
+    return {"before": before, "steps": steps, "after": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def assert_state_dicts(got: dict, want: dict, exact: bool) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        if exact:
+            assert torch.equal(got[k], want[k]), k
+        else:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=k)
+
+
+@pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores
+def test_units_are_the_blocks_every_rank_runs(run):
+    _, out0, _ = run
+    assert out0["units"] == ["DecoderBlock", "DecoderBlock"]       # VisionBlocks stay in the root unit
+
+
+@pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores
+def test_two_sharded_steps_equal_one_unsharded_process_on_the_union(run, reference):
+    _, out0, out1 = run
+    for got, want in zip(out0["steps"], reference["steps"]):
+        assert got["n_target"] == want["n_target"]
+        assert math.isclose(got["loss"], want["loss"], rel_tol=1e-5)
+        assert math.isclose(got["grad_norm"], want["grad_norm"], rel_tol=1e-5)   # the full norm, not a shard's
+        assert want["grad_norm"] > TRAIN.grad_clip
+    assert [s["loss"] for s in out1["steps"]] == [s["loss"] for s in out0["steps"]]
+    assert_state_dicts(out0["full_after"], reference["after"], exact=False)
+
+
+@pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores
+def test_full_state_dict_is_the_unsharded_model_on_rank_0_only(run, reference):
+    _, out0, out1 = run
+    assert_state_dicts(out0["full_before"], reference["before"], exact=True)
+    assert all(v.device.type == "cpu" and not isinstance(v, torch.distributed.tensor.DTensor)
+               for v in out0["full_before"].values())
+    assert out1["full_before"] is None and out1["full_after"] is None
+
+
+@pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores
+def test_resume_from_merged_sharded_checkpoint_continues_exactly(run):
+    tmp, out0, out1 = run
+    names = sorted(p.name for p in (tmp / "merged").iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", ckpt.SCHEDULER, ckpt.STATE]
+    for out in (out0, out1):
+        assert out["state"] == STATE
+        assert out["resumed"]["loss"] == out["continued"]["loss"]
+        assert out["resumed"]["lr"] == out["continued"]["lr"]
+        assert out["lr_restored"] == out["lr_saved"]
+    assert_state_dicts(out0["full_resumed"], out0["full_continued"], exact=True)
+
+
+@pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores
+def test_sharded_completeness_needs_every_rank_part(run, tmp_path):
+    tmp, _, _ = run
+    assert ckpt.is_complete(tmp / "merged") and ckpt.is_sharded(tmp / "merged")
+    assert ckpt.load_state(tmp / "merged") == STATE
+    assert not ckpt.is_complete(tmp / "rank0")               # rank 1's shard is not there (yet)
+    assert not ckpt.is_complete(tmp / "rank1")
+    for broken, damage in (("no_state", lambda d: (d / ckpt.STATE).unlink()),
+                           ("no_shard", lambda d: (d / "__1_0.distcp").unlink()),
+                           ("short_shard", lambda d: (d / "__1_0.distcp").write_bytes(b"x")),
+                           ("no_scheduler", lambda d: (d / ckpt.SCHEDULER).unlink())):
+        d = tmp_path / broken
+        shutil.copytree(tmp / "merged", d)
+        damage(d)
+        assert not ckpt.is_complete(d), broken
+    with pytest.raises(ValueError, match="sharded"):
+        ckpt.load_checkpoint(tmp / "merged", new_model())
+
+
+@pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores
+def test_mixed_precision_keeps_fp32_shards_and_close_loss(run):
+    _, out0, out1 = run
+    assert out0["bf16_param_dtype"] == "torch.float32"
+    assert out0["bf16_step"]["loss"] == out1["bf16_step"]["loss"]
+    assert math.isclose(out0["bf16_step"]["loss"], out0["steps"][0]["loss"], rel_tol=2e-2)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+
+class _VisionBlock(_Layer):
+    pass
+
+
+class _FakeHF(torch.nn.Module):
+    _no_split_modules = ["_Layer", "_VisionBlock"]
+
+    def __init__(self):
+        super().__init__()
+        self.visual = torch.nn.ModuleList([_VisionBlock(), _VisionBlock()])
+        self.layers = torch.nn.ModuleList([_Layer(), _Layer(), _Layer()])
+
+
+def test_hf_units_are_no_split_modules_outside_the_vision_tower():
+    hf = _FakeHF()
+    model = HFModel(hf, adapter=lambda b: b, vision=lambda h: [h.visual])
+    assert fsdp.shard_units(model) == list(hf.layers)
+    assert fsdp.shard_units(HFModel(hf, adapter=lambda b: b, vision=lambda h: [])) == [*hf.visual, *hf.layers]
+
+
+def test_generic_fallback_is_the_module_list_entries():
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2)] * 1))
+    assert fsdp.shard_units(model) == [model[1][0]]
