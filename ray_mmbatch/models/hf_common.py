@@ -121,6 +121,17 @@ def load_hf_model(path: str, attn_implementation: str = "auto", device_type: str
     return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
 
 
+def enable_activation_checkpointing(hf_model) -> None:
+    """Recompute each layer's activations in the backward pass (non-reentrant), by the name this
+    transformers version has (``activation_checkpointing_enable`` from v5.2x, before it
+    ``gradient_checkpointing_enable``)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf_model, "activation_checkpointing_enable"):
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def normalize_patches(patches: torch.Tensor, mean, std, temporal: int = 1) -> torch.Tensor:
     """uint8 [P, 3 * ps * ps] (channel-major patches) -> float32 [P, 3 * temporal * ps * ps].
 

@@ -1,0 +1,240 @@
+"""Qwen-VL backend (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): checkpoint settings, the exact packed forward, export.
+
+A packed batch drives HF's model exactly as if each sample ran alone when it gets (checked per
+token against HF's own single-sample path in tests/test_models_qwen.py)::
+
+    samples            a: text only (3)      b: text, one image of 2x2 merged tokens, text
+    input_ids          a0 a1 a2 |  b0 <vs> I  I  I  I <ve> b1
+    position_ids [4, 1, T]
+      row 0  text       0  1  2 |  0  1   2  3  4  5  6   7     restarts per sample: HF finds the
+                                                                packed samples from it (block mask
+                                                                for sdpa/eager, varlen for flash-attn)
+      row 1  t          0  1  2 |  0  1   2  2  2  2  4   5     rows 1-3: the model's own
+      row 2  h          0  1  2 |  0  1   2  2  3  3  4   5     get_rope_index on each sample
+      row 3  w          0  1  2 |  0  1   2  3  2  3  4   5     alone, concatenated (M-RoPE)
+    no attention_mask; use_cache=False (HFModel): with a cache HF stops looking for packed samples
+
+Padded batches get ``attention_mask`` and ``mm_token_type_ids`` (1 at image tokens) and HF builds
+the M-RoPE ids itself, row by row over the unmasked tokens (without ``mm_token_type_ids``
+Qwen2.5-VL silently falls back to 1-D positions). Pixels: uint8 patches normalized on the device
+(hf_common.normalize_patches) with the processor's mean/std, repeated over ``temporal_patch_size``.
+Qwen3-VL needs nothing more: its deepstack features are scattered at the image-token positions in
+sequence order and its vision tower, like the others, attends within each image only.
+
+Cost: pack mode runs one ``get_rope_index`` per sample that has images (a Python pass over that
+sample's token types, on a CPU copy of the ids) and an arange for text-only samples; HF does
+the same pass per row in pad mode. ``configure`` reads two JSON files and the tokenizer.
+Importing this module imports no torch (the registry imports every backend to read MODEL_TYPES).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+NAME = "qwen_vl"
+MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+# HF's Qwen2VLImageProcessor defaults, for keys a preprocessor_config.json leaves out
+_PROCESSOR_DEFAULTS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
+                       "image_mean": (0.48145466, 0.4578275, 0.40821073),
+                       "image_std": (0.26862954, 0.26130258, 0.27577711)}
+# HF's vision config class defaults, for keys an old config.json leaves out
+_VISION_DEFAULTS = {"qwen2_vl": {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2},
+                    "qwen2_5_vl": {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2},
+                    "qwen3_vl": {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _vision_geometry(path: str, model_json: dict, processor: dict) -> dict[str, int]:
+    """patch / merge / temporal sizes: config.json's vision_config (what the model is built with; a key
+    it leaves out takes HF's class default), which the image processor must agree with."""
+    vision = model_json.get("vision_config") or {}
+    defaults = _VISION_DEFAULTS[model_json["model_type"]]
+    geometry = {"patch_size": vision.get("patch_size", vision.get("spatial_patch_size")),
+                "merge_size": vision.get("spatial_merge_size"),
+                "temporal_patch_size": vision.get("temporal_patch_size")}
+    for key, value in geometry.items():
+        value = geometry[key] = int(defaults[key] if value is None else value)
+        if processor.get(key) is not None and int(processor[key]) != value:
+            raise ValueError(f"{path}: the image processor's {key}={processor[key]} disagrees with config.json "
+                             f"vision_config ({value}); the checkpoint is inconsistent")
+    return geometry
+
+
+def _pixel_bounds(processor: dict) -> tuple[int, int]:
+    """(min_pixels, max_pixels) as HF's Qwen2-VL processor reads them: the old top-level keys
+    override ``size`` {shortest_edge, longest_edge} (or an old ``size`` {min_pixels, max_pixels})."""
+    size = processor.get("size") or {}
+    lo = processor.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+    hi = processor.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+    return int(lo or _PROCESSOR_DEFAULTS["min_pixels"]), int(hi or _PROCESSOR_DEFAULTS["max_pixels"])
+
+
+def _check_processor_steps(path: str, processor: dict) -> None:
+    """The data path resizes bicubic, rescales by 1/255 and normalizes: refuse a processor that does not."""
+    for key in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
+        if processor.get(key) is False:
+            raise ValueError(f"{path}: the image processor sets {key}=false; the data path always does it")
+    if processor.get("resample", 3) != 3:
+        raise ValueError(f"{path}: the image processor resamples with {processor['resample']}; "
+                         "the data path resizes bicubic (3)")
+    if abs(float(processor.get("rescale_factor", 1 / 255)) - 1 / 255) > 1e-9:
+        raise ValueError(f"{path}: rescale_factor {processor['rescale_factor']} is not 1/255")
+
+
+def _checkpoint_image_token(path: str, image_token_id: int) -> str:
+    """The token whose id is config.json's image_token_id, by the checkpoint's own tokenizer."""
+    from ray_mmbatch.data.text import load_tokenizer
+
+    if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
+        return "<|image_pad|>"  # Qwen's name for it; the run's tokenizer is checked against the id below
+    token = load_tokenizer(path).convert_ids_to_tokens(image_token_id)
+    if token is None:
+        raise ValueError(f"{path}: config.json image_token_id {image_token_id} is not in its tokenizer")
+    return str(token)
+
+
+def configure(cfg):
+    """Fill cfg's image / text settings from the checkpoint at cfg.model.path (see models/__init__.py).
+
+    Taken from the checkpoint: smart resize, patch / merge / temporal sizes (config.json
+    vision_config), min/max pixels and mean/std (the image processor), the tokenizer (the
+    checkpoint dir unless --tokenizer) and the image token. A changed setting that contradicts
+    the checkpoint is refused; min/max pixels are a free choice (the user's value wins).
+    Idempotent.
+    """
+    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files
+
+    path = cfg.model.path
+    if not path:
+        raise ValueError("the qwen_vl backend needs model.path (--model): a local Qwen-VL checkpoint directory")
+    model_json, processor = checkpoint_files(path)
+    model_type = model_json.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not a Qwen-VL model {MODEL_TYPES}")
+    if not processor:
+        raise ValueError(f"{path}: no preprocessor_config.json (nor processor_config.json): the image "
+                         "processor's settings (pixel bounds, mean/std) are unknown; copy it from the base model")
+    _check_processor_steps(path, processor)
+    where_model, where_proc = f"{path}/config.json vision_config", f"{path} image processor"
+    adopt_setting(cfg, "image.resize", "smart", f"{path} ({model_type}: Qwen-VL dynamic resolution)")
+    for key, value in _vision_geometry(path, model_json, processor).items():
+        adopt_setting(cfg, f"image.{key}", value, f"{where_model} {key}")
+    lo, hi = _pixel_bounds(processor)
+    adopt_setting(cfg, "image.min_pixels", lo, f"{where_proc} min_pixels", user_may_override=True)
+    adopt_setting(cfg, "image.max_pixels", hi, f"{where_proc} max_pixels", user_may_override=True)
+    for key in ("image_mean", "image_std"):
+        adopt_setting(cfg, f"image.{key}", processor.get(key, _PROCESSOR_DEFAULTS[key]), f"{where_proc} {key}")
+
+    image_token_id = int(model_json.get("image_token_id", model_json.get("image_token_index", -1)))
+    if image_token_id < 0:
+        raise ValueError(f"{path}/config.json has no image_token_id")
+    adopt_setting(cfg, "text.image_token", _checkpoint_image_token(path, image_token_id),
+                  f"{path} tokenizer, token id {image_token_id} (config.json image_token_id)")
+    if not cfg.text.tokenizer:
+        cfg.text.tokenizer = path
+    tok = load_tokenizer(cfg.text.tokenizer)
+    got = tok.convert_tokens_to_ids(cfg.text.image_token)
+    if got != image_token_id:
+        raise ValueError(f"--tokenizer {cfg.text.tokenizer}: its {cfg.text.image_token} is id {got}, but the model's "
+                         f"image_token_id is {image_token_id} ({path}/config.json); use the checkpoint's tokenizer")
+    vocab = int((model_json.get("text_config") or model_json).get("vocab_size", 0))
+    if vocab and len(tok) > vocab:
+        raise ValueError(f"tokenizer {cfg.text.tokenizer} has {len(tok)} tokens but the model embeds {vocab}")
+    return cfg
+
+
+# ------------------------------------------------------------------ the forward adapter
+class QwenAdapter:
+    """batch (batching/collate.py layout, tensors) -> kwargs of ``hf_model.model`` (module docstring)."""
+
+    def __init__(self, base_model, image_token_id: int, mean, std, temporal: int):
+        self.base = base_model  # Qwen*VLModel: its own get_rope_index builds the M-RoPE ids
+        self.image_token_id = int(image_token_id)
+        self.mean, self.std, self.temporal = tuple(mean), tuple(std), int(temporal)
+
+    def __call__(self, batch: dict) -> dict[str, Any]:
+        from ray_mmbatch.models.hf_common import normalize_patches
+
+        ids = batch["input_ids"]
+        grids = batch.get("image_grid_thw")
+        has_images = grids is not None and grids.shape[0] > 0
+        kwargs: dict[str, Any] = {"input_ids": ids}
+        if has_images:
+            grids = grids.long()
+            kwargs["pixel_values"] = normalize_patches(batch["patches"], self.mean, self.std, self.temporal)
+            kwargs["image_grid_thw"] = grids
+        if batch["mode"] == "pack":
+            kwargs["position_ids"] = self.packed_position_ids(batch)
+        else:
+            kwargs["attention_mask"] = batch["attention_mask"]
+            if has_images:
+                kwargs["mm_token_type_ids"] = (ids == self.image_token_id).int()
+        return kwargs
+
+    def packed_position_ids(self, batch: dict):
+        """[4, 1, T]: the per-sample text positions, then each sample's own (t, h, w) M-RoPE ids."""
+        import torch
+
+        ids = batch["input_ids"]
+        cpu_ids = ids[0].cpu()
+        cu = batch["cu_seqlens"].cpu().tolist()
+        grids = batch.get("image_grid_thw")
+        grids = grids.cpu().long() if grids is not None else torch.zeros(0, 3, dtype=torch.long)
+        owner = batch["image_sample_index"].cpu() if grids.shape[0] else torch.zeros(0, dtype=torch.long)
+        rows = []
+        for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
+            mine = grids[owner == i]
+            if mine.shape[0]:
+                seg = cpu_ids[start:end][None]
+                pos, _ = self.base.get_rope_index(input_ids=seg, mm_token_type_ids=(seg == self.image_token_id).int(),
+                                                  image_grid_thw=mine)
+                rows.append(pos[:, 0])
+            else:
+                rows.append(torch.arange(end - start, dtype=torch.long).expand(3, -1))
+        mrope = torch.cat(rows, dim=1)[:, None]  # [3, 1, T]
+        text = batch["position_ids"].cpu().long()[None]  # [1, 1, T], restarting per sample
+        return torch.cat([text, mrope], dim=0).to(ids.device)
+
+
+def _vision_modules(hf_model) -> list:
+    return [hf_model.model.visual]
+
+
+def create_model(cfg, ids: dict):
+    """The checkpoint's *ForConditionalGeneration wrapped in HFModel with the Qwen adapter."""
+    import transformers
+
+    from ray_mmbatch.models.hf_common import HFModel, enable_activation_checkpointing, load_hf_model
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        raise RuntimeError(f"the qwen_vl backend needs transformers >= 5 (mm_token_type_ids, [4, 1, T] packed "
+                           f"position ids); found {transformers.__version__}")
+    hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, "cuda" if cfg.train.use_gpu else "cpu")
+    config = hf.config
+    if int(ids["image_token_id"]) != int(config.image_token_id):
+        raise ValueError(f"tokenizer image token id {ids['image_token_id']} != the model's image_token_id "
+                         f"{config.image_token_id}; run configure(cfg) with the checkpoint's tokenizer")
+    vocab = config.get_text_config().vocab_size
+    if int(ids["vocab_size"]) > vocab:
+        raise ValueError(f"tokenizer has {ids['vocab_size']} tokens but the model embeds {vocab}")
+    vision = config.vision_config
+    for key, want in (("patch_size", vision.patch_size), ("merge_size", vision.spatial_merge_size),
+                      ("temporal_patch_size", vision.temporal_patch_size)):
+        if getattr(cfg.image, key) != want:
+            raise ValueError(f"image.{key} is {getattr(cfg.image, key)} but the model's is {want}: "
+                             "call configure(cfg) before create_model")
+    hf.config.use_cache = False
+    if cfg.model.gradient_checkpointing:
+        enable_activation_checkpointing(hf)
+    adapter = QwenAdapter(hf.model, config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
+                          cfg.image.temporal_patch_size)
+    return HFModel(hf, adapter, _vision_modules)
+
+
+def export(model, cfg, directory) -> None:
+    """save_pretrained of model + tokenizer, and the checkpoint's processor files (hf_common.export_hf)."""
+    from ray_mmbatch.models.hf_common import export_hf
+
+    export_hf(model, cfg, directory)

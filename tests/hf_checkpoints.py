@@ -1,0 +1,92 @@
+"""Tiny random Qwen-VL checkpoint directories for tests (nothing downloaded).
+
+``make_qwen_checkpoint(dir, model_type)`` writes what a Qwen/Qwen2-VL, Qwen2.5-VL or Qwen3-VL
+repo holds, shrunk: config.json (text model 64 wide, 2 layers, 4 heads of 16 with an M-RoPE
+section that sums to 8; vision tower 2 blocks of 32), model.safetensors, the tokenizer (the
+shipped BPE, whose <|im_start|> / <|vision_start|> / <|image_pad|> / <|vision_end|> ids the
+config names, plus a <|video_pad|> for video_token_id; chat template tests/chat_templates.QWEN2_VL)
+and preprocessor_config.json from HF's own Qwen2-VL PIL image processor with small
+min/max pixels (4 .. 64 merged tokens per image). Family specifics kept: Qwen2.5-VL's windowed
+vision attention (block 0 windowed, block 1 full), Qwen3-VL's 16-pixel patches, learned
+position grid, deepstack features into both text layers and interleaved M-RoPE.
+``initializer_range`` 0.2 (not HF's 0.02) makes activations large enough that a wrong mask or
+wrong position ids changes the loss visibly, so the exactness tests can fail.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+QWEN_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16
+
+
+def _text_config(model_type: str, vocab: int, tok, init: float) -> dict:
+    mrope = {"qwen3_vl": {"mrope_section": [4, 2, 2], "mrope_interleaved": True}}.get(
+        model_type, {"mrope_section": [2, 3, 3]})  # sums to HEAD_DIM / 2
+    text = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+                num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2048,
+                initializer_range=init, rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
+                eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **mrope})
+    if model_type == "qwen3_vl":
+        text["head_dim"] = HEAD_DIM
+    return text
+
+
+def _vision_config(model_type: str, init: float) -> dict:
+    if model_type == "qwen2_vl":
+        return dict(depth=2, embed_dim=32, hidden_size=HIDDEN, mlp_ratio=2, num_heads=2, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2, initializer_range=init)
+    if model_type == "qwen2_5_vl":
+        # window 56 px = 2x2 merged tokens: images of more than one window really are windowed
+        return dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                    spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=HIDDEN, window_size=56,
+                    fullatt_block_indexes=[1], initializer_range=init)
+    return dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                temporal_patch_size=2, out_hidden_size=HIDDEN, num_position_embeddings=64,
+                deepstack_visual_indexes=[0, 1], initializer_range=init)
+
+
+def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 0.2, seed: int = 0,
+                         image_processor: dict | None = None) -> Path:
+    """Write the checkpoint into ``directory`` and return it; ``image_processor`` overrides processor fields."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ray_mmbatch.data.text import load_tokenizer
+    from tests.chat_templates import QWEN2_VL
+
+    if model_type not in QWEN_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {QWEN_MODEL_TYPES}, got {model_type!r}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok = copy.deepcopy(load_tokenizer(""))  # a copy: load_tokenizer's instance is shared and cached
+    tok.add_tokens([AddedToken("<|video_pad|>", special=True, normalized=False)], special_tokens=True)
+    tok.chat_template = QWEN2_VL
+    tok.save_pretrained(d)
+
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    vocab = -(-len(tok) // 8) * 8  # HF checkpoints pad the vocabulary beyond the tokenizer, too
+    config = AutoConfig.for_model(model_type, text_config=_text_config(model_type, vocab, tok, initializer_range),
+                                  vision_config=_vision_config(model_type, initializer_range),
+                                  initializer_range=initializer_range, tie_word_embeddings=False, **ids)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(d, safe_serialization=True)
+
+    patch = config.vision_config.patch_size
+    factor = patch * config.vision_config.spatial_merge_size
+    processor_kw = {"patch_size": patch, "merge_size": config.vision_config.spatial_merge_size,
+                    "temporal_patch_size": config.vision_config.temporal_patch_size,
+                    "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 64 * factor * factor}}
+    if model_type == "qwen3_vl":
+        processor_kw.update(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    processor_kw.update(image_processor or {})
+    Qwen2VLImageProcessorPil(**processor_kw).save_pretrained(d)
+    return d
