@@ -137,7 +137,8 @@ def _units_dataset(units: list[dict], blocks: int | None, shuffle_seed: int | No
 
 
 # ----------------------------------------------------------------- reads
-def _read_parquet(files: list[str], data_cfg: DataConfig, blocks: int | None, **unit_args) -> ray.data.Dataset:
+# Each format: files -> (read units, the function that reads a table of units, its kwargs).
+def _parquet_units(files: list[str], data_cfg: DataConfig):
     names = pq.read_schema(files[0]).names
     if data_cfg.text_column not in names:
         raise ValueError(f"{files[0]}: text column {data_cfg.text_column!r} not found; columns are {names} "
@@ -152,14 +153,11 @@ def _read_parquet(files: list[str], data_cfg: DataConfig, blocks: int | None, **
         for g in range(meta.num_row_groups):
             units.append({"path": f, "row_group": g, "row_offset": offset})
             offset += meta.row_group(g).num_rows
-    ds = _units_dataset(units, blocks, **unit_args)
-    return ds.map_batches(_parquet_row_group, fn_kwargs={"data_cfg": data_cfg, "columns": columns},
-                          batch_format="pyarrow", batch_size=1)
+    return units, _parquet_row_group, {"data_cfg": data_cfg, "columns": columns}
 
 
-def _read_webdataset(files: list[str], blocks: int | None, **unit_args) -> ray.data.Dataset:
-    ds = _units_dataset([{"path": f} for f in files], blocks, **unit_args)
-    return ds.map_batches(_webdataset_batch, batch_format="pyarrow", batch_size=1)
+def _webdataset_units(files: list[str], data_cfg: DataConfig):
+    return [{"path": f} for f in files], _webdataset_batch, {}
 
 
 def _llava_records(files: list[str]) -> list:
@@ -183,14 +181,24 @@ def _llava_records(files: list[str]) -> list:
     return records
 
 
-def _read_llava(files: list[str], data_cfg: DataConfig, blocks: int | None, **unit_args) -> ray.data.Dataset:
+def _llava_units(files: list[str], data_cfg: DataConfig):
     records, path = _llava_records(files), files[0]
     chunks = [{"row_offset": i, "records": json.dumps(records[i:i + LLAVA_CHUNK], ensure_ascii=True)}
               for i in range(0, len(records), LLAVA_CHUNK)]
     root = data_cfg.image_root or os.path.dirname(os.path.abspath(path))
-    ds = _units_dataset(chunks, blocks, **unit_args)
-    return ds.map_batches(_llava_batch, fn_kwargs={"image_root": root, "file_name": os.path.basename(path)},
-                          batch_format="pyarrow", batch_size=1)
+    return chunks, _llava_batch, {"image_root": root, "file_name": os.path.basename(path)}
+
+
+_UNITS = {"parquet": _parquet_units, "webdataset": _webdataset_units, "llava": _llava_units}
+
+
+def read_units(path: str, data_cfg: DataConfig):
+    """(read units, read_fn, read_kwargs): ``read_fn(pa.Table of units, **read_kwargs)`` -> RAW table.
+
+    What ``read_raw`` runs as Ray tasks, callable in-process too (ray_mmbatch.local_batches).
+    """
+    fmt, files = resolve_files(path, data_cfg.format)
+    return _UNITS[fmt](files, data_cfg)
 
 
 def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
@@ -201,14 +209,9 @@ def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None
     *.tar -> webdataset; a single file by its extension. ``shuffle_seed`` permutes the read
     units; ``end_marker`` appends the end-of-stream row (see the module docstring).
     """
-    fmt, files = resolve_files(path, data_cfg.format)
-    unit_args = {"shuffle_seed": shuffle_seed, "end_marker": end_marker}
-    if fmt == "parquet":
-        ds = _read_parquet(files, data_cfg, override_num_blocks, **unit_args)
-    elif fmt == "webdataset":
-        ds = _read_webdataset(files, override_num_blocks, **unit_args)
-    else:
-        ds = _read_llava(files, data_cfg, override_num_blocks, **unit_args)
+    units, read_fn, kwargs = read_units(path, data_cfg)
+    ds = _units_dataset(units, override_num_blocks, shuffle_seed, end_marker)
+    ds = ds.map_batches(read_fn, fn_kwargs=kwargs, batch_format="pyarrow", batch_size=1)
     return ds.select_columns(list(schema.RAW_COLUMNS))
 
 

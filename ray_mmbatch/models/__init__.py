@@ -70,3 +70,19 @@ def backend_name(model_cfg) -> str:
 def get_backend(cfg) -> ModuleType:
     """The backend module for a Config (see the module docstring for what it defines)."""
     return backend_module(backend_name(cfg.model))
+
+
+def configure(cfg):
+    """``cfg`` with its backend's settings applied (a checkpoint's image / text settings); idempotent."""
+    return get_backend(cfg).configure(cfg)
+
+
+def token_ids(cfg) -> dict[str, int]:
+    """vocab size, image token id and pad id of the run's tokenizer (call after ``configure``)."""
+    from ray_mmbatch.data.text import load_tokenizer
+
+    tok = load_tokenizer(cfg.text.tokenizer)
+    image_id = tok.convert_tokens_to_ids(cfg.text.image_token)
+    if image_id is None or image_id == tok.unk_token_id:
+        raise ValueError(f"tokenizer {cfg.text.tokenizer or '(shipped)'} has no image token {cfg.text.image_token!r}")
+    return {"vocab_size": len(tok), "image_token_id": int(image_id), "pad_id": int(tok.pad_token_id)}

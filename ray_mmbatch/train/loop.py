@@ -31,9 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ray_mmbatch import schema as S
+from ray_mmbatch.batching.layout import filler_batch, mask_samples, zero_target
 from ray_mmbatch.config import Config, apply_overrides, flatten
 from ray_mmbatch.runlog import read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
+from ray_mmbatch.train.step import all_reduce
+
+EXPORT_DIR = "model"  # OUTPUT_DIR/model: the trained model in its family's format (HF: from_pretrained-able)
 
 
 def _peak_mem_mb(device: torch.device) -> float:
@@ -42,61 +46,12 @@ def _peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def all_reduce(values: list[float], op=None) -> list[float]:
-    if not _dist_ready():
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t.tolist()
-
-
 def all_gather_lists(items: list[str]) -> list[str]:
-    if not _dist_ready():
+    if not (dist.is_available() and dist.is_initialized()):
         return list(items)
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, list(items))
     return [x for part in out for x in part]
-
-
-def zero_target(batch: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a batch that contributes no loss and no gradient (for a rank that ran dry)."""
-    b = dict(batch)
-    b["labels"] = np.full_like(batch["labels"], S.IGNORE_INDEX)
-    b["target_tokens"] = 0
-    b["_dummy"] = True
-    return b
-
-
-def mask_samples(batch: dict[str, Any], keep: np.ndarray) -> dict[str, Any]:
-    """Take the samples where ``keep`` is False out of the loss (their tokens stay as
-    context-free segments: attention never crosses samples) and out of the sample list."""
-    b = dict(batch)
-    labels = np.array(batch["labels"], copy=True)
-    if batch["mode"] == "pack":
-        cu = batch["cu_seqlens"]
-        for i in np.flatnonzero(~keep):
-            labels[0, cu[i]:cu[i + 1]] = S.IGNORE_INDEX
-    else:
-        labels[~keep] = S.IGNORE_INDEX
-    b["labels"] = labels
-    b["sample_ids"] = [s for s, k in zip(batch["sample_ids"], keep) if k]
-    b["target_tokens"] = int((labels != S.IGNORE_INDEX).sum())
-    b["real_tokens"] = int(np.asarray(batch["seq_lens"])[keep].sum())
-    return b
-
-
-def filler_batch(image_cfg) -> dict[str, Any]:
-    """A 2-token text-only pack with no targets, for a rank that never received a batch."""
-    ps = image_cfg.patch_size
-    return {"mode": "pack", "input_ids": np.zeros((1, 2), np.int32), "labels": np.full((1, 2), S.IGNORE_INDEX, np.int32),
-            "position_ids": np.arange(2, dtype=np.int32)[None], "cu_seqlens": np.array([0, 2], np.int32),
-            "max_seqlen": 2, "seq_lens": np.array([2], np.int32), "patches": np.zeros((0, 3 * ps * ps), np.uint8),
-            "image_grid_thw": np.zeros((0, 3), np.int32), "image_sample_index": np.zeros(0, np.int32),
-            "vision_cu_seqlens": np.zeros(1, np.int32), "sample_ids": [], "real_tokens": 0, "target_tokens": 0}
 
 
 class RunFiles:
@@ -202,7 +157,7 @@ class Runner:
                 micro, skipped = self._take(rows, epoch)
                 t_data = time.perf_counter() - t0
                 trained = sum(len(b["sample_ids"]) for b in micro)
-                any_data, seen = all_reduce([float(bool(micro)), float(trained + skipped)])
+                any_data, seen = all_reduce([float(bool(micro)), float(trained + skipped)], self.device)
                 self.samples_seen += int(seen)
                 self._set_progress()
                 if not any_data:
@@ -210,7 +165,7 @@ class Runner:
                 if micro:
                     self.last_batch = micro[-1]
                 else:
-                    micro = [zero_target(self.last_batch or filler_batch(self.cfg.image))]
+                    micro = [zero_target(self.last_batch or filler_batch(3 * self.cfg.image.patch_size ** 2))]
                 out = self._optimizer_step(self.model, micro, self.opt, self.sched, tcfg, self.device)
                 self.step += 1
                 self._account(micro, out, t_data, time.perf_counter() - t0)
@@ -252,7 +207,6 @@ class Runner:
             w[k] = w.get(k, 0.0) + v
         if self.initial_loss is None:
             self.initial_loss = float(out["loss"])
-        self.last_loss = float(out["loss"])
 
     def _fault_drill(self) -> None:
         """Die like an OOM-killed worker (SIGKILL, no cleanup) at the configured step, once."""
@@ -266,8 +220,8 @@ class Runner:
 
         w, self.window = self.window, {}
         keys = ("real", "padded", "target", "samples", "data_s", "step_s", "steps")
-        g = dict(zip(keys, all_reduce([w.get(k, 0.0) for k in keys])))
-        (loss_mean,) = all_reduce([w.get("loss_sum", 0.0) / max(w.get("steps", 1.0), 1.0)])
+        g = dict(zip(keys, all_reduce([w.get(k, 0.0) for k in keys], self.device)))
+        (loss_mean,) = all_reduce([w.get("loss_sum", 0.0) / max(w.get("steps", 1.0), 1.0)], self.device)
         loss_mean /= self.world
         t = self.totals
         t["samples"] += int(g["samples"])
@@ -284,7 +238,7 @@ class Runner:
             "fill": g["real"] / g["padded"] if g["padded"] else 0.0,
             "step_time_s": g["step_s"] / max(g["steps"], 1.0),
             "data_wait_frac": g["data_s"] / max(g["step_s"], 1e-9),
-            "peak_mem_mb": all_reduce([_peak_mem_mb(self.device)], dist.ReduceOp.MAX if _dist_ready() else None)[0],
+            "peak_mem_mb": all_reduce([_peak_mem_mb(self.device)], self.device, op="max")[0],
             "initial_loss": self.initial_loss, "final": final,
             **{f"total_{k}": v for k, v in t.items()},
         }
@@ -311,11 +265,11 @@ class Runner:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Thin: build config, model, optimizer, restore, and hand over to Runner."""
+    """Thin: build config, the backend's model, optimizer, restore, hand over to Runner, export."""
     import ray.train
     import ray.train.torch
 
-    from ray_mmbatch.models.builtin import build_model
+    from ray_mmbatch.models import get_backend
     from ray_mmbatch.train.step import Progress, build_optimizer
 
     cfg = apply_overrides(Config(), flatten(config["cfg"]))
@@ -323,8 +277,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     torch.manual_seed(cfg.train.seed)
     device = ray.train.torch.get_device()
-    model = build_model(cfg.model, cfg.image, vocab_size=config["vocab_size"],
-                        image_token_id=config["image_token_id"], pad_id=config["pad_id"])
+    backend = get_backend(cfg)
+    model = backend.create_model(cfg, config)
     # max_steps: cosine over those steps; by epochs: cosine over the share of the planned
     # samples done (the step count is only known once the batches are planned)
     planned = 0 if cfg.train.max_steps else int(config.get("planned_samples", 0))
@@ -338,3 +292,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
     shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
     Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned).run()
+    if cfg.train.export_hf and rank == 0:
+        backend.export(getattr(model, "module", model), cfg, Path(cfg.train.output_dir) / EXPORT_DIR)

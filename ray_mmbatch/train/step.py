@@ -13,7 +13,7 @@ in a 10-target micro-batch 10x more than one in a 100-target micro-batch.
 
 DDP's all-reduce runs only on the last micro-batch (``no_sync`` on the others).
 Autocast: bf16 on CUDA by default, opt-in on CPU; the CE itself is fp32.
-No Ray here: the Ray Train loop (train/loop.py) builds a ``StepRunner``.
+No Ray here: the Ray Train loop (train/loop.py) calls ``optimizer_step``.
 """
 from __future__ import annotations
 
@@ -83,13 +83,17 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+def all_reduce(values: list[float], device: torch.device | str, op: str = "sum") -> list[float]:
+    """Sum (or max) of ``values`` over the ranks; the one collective helper of the train path.
+
+    NCCL reduces only CUDA tensors and gloo only CPU ones, so the tensor is made where the
+    process group's backend wants it (the training device under NCCL).
+    """
     if _world() == 1:
-        return values
-    # gloo reduces CPU tensors, nccl CUDA ones: put the tensor where the backend wants it.
-    where = device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return list(values)
+    where = torch.device(device) if dist.get_backend() == "nccl" else torch.device("cpu")
     t = torch.tensor(values, dtype=torch.float64, device=where)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return t.tolist()
 
 
@@ -106,7 +110,7 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
         raise ValueError("an optimizer step needs at least one micro-batch")
     local_targets = sum(count_targets(b) for b in micro_batches)
     world = _world()
-    (global_targets,) = _all_reduce_sum([float(local_targets)], device)
+    (global_targets,) = all_reduce([float(local_targets)], device)
     scale = world / max(global_targets, 1.0)
     ddp = isinstance(model, nn.parallel.DistributedDataParallel)
     local_ce = 0.0
@@ -121,7 +125,7 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
             (ce_sum * scale).backward()
         local_ce += float(ce_sum.detach())
         real_tokens += _real_tokens(tb)
-    (global_ce,) = _all_reduce_sum([local_ce], device)
+    (global_ce,) = all_reduce([local_ce], device)
     return {"loss": global_ce / max(global_targets, 1.0), "n_target": int(global_targets),
             "local_n_target": local_targets, "real_tokens": real_tokens, "world_size": world}
 
@@ -159,18 +163,6 @@ def optimizer_step(model: nn.Module, micro_batches: list[dict], optimizer: torch
     metrics["time_s"] = time.perf_counter() - start
     metrics["tokens_per_s"] = metrics["real_tokens"] / max(metrics["time_s"], 1e-9)
     return metrics
-
-
-class StepRunner:
-    """Model + optimizer + scheduler + settings bound together; ``step(micro_batches)`` = one step."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, train_cfg: TrainConfig,
-                 device: torch.device | str):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.cfg, self.device = train_cfg, torch.device(device)
-
-    def step(self, micro_batches: list[dict]) -> dict:
-        return optimizer_step(self.model, micro_batches, self.optimizer, self.scheduler, self.cfg, self.device)
 
 
 def lr_lambda(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1) -> float:

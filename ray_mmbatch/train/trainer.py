@@ -83,11 +83,10 @@ def connect(num_cpus: int | None = None) -> None:
 
 
 def tokenizer_ids(cfg: Config) -> dict[str, int]:
-    from ray_mmbatch.data.text import load_tokenizer
+    """vocab size, image token id and pad id of the run's tokenizer (models.token_ids after configure)."""
+    from ray_mmbatch.models import configure, token_ids
 
-    tok = load_tokenizer(cfg.text.tokenizer)
-    return {"vocab_size": len(tok), "image_token_id": tok.convert_tokens_to_ids(S.IMAGE_PAD),
-            "pad_id": tok.convert_tokens_to_ids(S.PAD_TOKEN)}
+    return token_ids(configure(cfg))
 
 
 def _merge_rank_files(out: Path) -> dict[str, int]:
@@ -121,9 +120,11 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_mmbatch.models import configure
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
     from ray_mmbatch.train.loop import train_loop_per_worker
 
+    cfg = configure(cfg)  # a checkpoint's image / text settings, before the data path is built
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg.train.output_dir = str(out)

@@ -1,0 +1,50 @@
+"""Edits of a collated batch that keep its layout valid (batching/collate.py draws the layout).
+
+Used by the train loop: ``mask_samples`` takes samples a restored checkpoint already
+trained out of the loss; ``zero_target`` is a rank's step when it has run dry (joins the
+gradient all-reduce, adds nothing); ``filler_batch`` is that step for a rank that never
+received a batch. Pure numpy, no torch, no ray.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ray_mmbatch.schema import IGNORE_INDEX
+
+
+def zero_target(batch: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a batch that contributes no loss and no gradient (for a rank that ran dry)."""
+    b = dict(batch)
+    b["labels"] = np.full_like(batch["labels"], IGNORE_INDEX)
+    b["target_tokens"] = 0
+    b["_dummy"] = True
+    return b
+
+
+def mask_samples(batch: dict[str, Any], keep: np.ndarray) -> dict[str, Any]:
+    """Take the samples where ``keep`` is False out of the loss (their tokens stay as
+    context-free segments: attention never crosses samples) and out of the sample list."""
+    b = dict(batch)
+    labels = np.array(batch["labels"], copy=True)
+    if batch["mode"] == "pack":
+        cu = batch["cu_seqlens"]
+        for i in np.flatnonzero(~keep):
+            labels[0, cu[i]:cu[i + 1]] = IGNORE_INDEX
+    else:
+        labels[~keep] = IGNORE_INDEX
+    b["labels"] = labels
+    b["sample_ids"] = [s for s, k in zip(batch["sample_ids"], keep) if k]
+    b["target_tokens"] = int((labels != IGNORE_INDEX).sum())
+    b["real_tokens"] = int(np.asarray(batch["seq_lens"])[keep].sum())
+    return b
+
+
+def filler_batch(patch_dim: int) -> dict[str, Any]:
+    """A 2-token text-only pack with no targets, for a rank that never received a batch."""
+    return {"mode": "pack", "input_ids": np.zeros((1, 2), np.int32), "labels": np.full((1, 2), IGNORE_INDEX, np.int32),
+            "position_ids": np.arange(2, dtype=np.int32)[None], "cu_seqlens": np.array([0, 2], np.int32),
+            "max_seqlen": 2, "seq_lens": np.array([2], np.int32), "patches": np.zeros((0, patch_dim), np.uint8),
+            "image_grid_thw": np.zeros((0, 3), np.int32), "image_sample_index": np.zeros(0, np.int32),
+            "vision_cu_seqlens": np.zeros(1, np.int32), "sample_ids": [], "real_tokens": 0, "target_tokens": 0}

@@ -1,0 +1,97 @@
+"""The training data path in one process, without Ray: ``local_batches(cfg)``.
+
+Yields the collated batches a Train worker receives (numpy dicts, batching/collate.py
+layout) for ``cfg.data`` under ``cfg.budget``, through the very stage objects the Ray
+graph runs (pipeline.py): read units -> MeasureStage -> plan (CarryPlanStage with the
+end-of-stream row, or plan_rows per window with carry 0) -> MaterializeStage -> decode.
+With deterministic settings the batches equal the pipeline's, in order. For notebooks,
+debugging, verify_packing and tests; it decodes every image on one core, so it is slow
+for a whole dataset (pass ``limit``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Iterator
+
+import pyarrow as pa
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import Config
+
+
+def _raw_rows(cfg: Config, end_marker: bool) -> Iterator[dict[str, Any]]:
+    from ray_mmbatch.readers import end_marker_row, read_units
+
+    units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
+    for unit in units:
+        yield from read_fn(pa.Table.from_pylist([dict(unit, end=False)]), **kwargs).to_pylist()
+    if end_marker:
+        yield end_marker_row()
+
+
+def _chunks(rows: Iterator[dict[str, Any]], size: int) -> Iterator[dict[str, list]]:
+    """Rows -> column dicts of ``size`` rows (what map_batches(batch_size=size) hands a stage)."""
+    buf: list[dict[str, Any]] = []
+    for row in rows:
+        buf.append(row)
+        if len(buf) == size:
+            yield _columns(buf)
+            buf = []
+    if buf:
+        yield _columns(buf)
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
+    return {k: [r[k] for r in rows] for k in rows[0]}
+
+
+def _measured_rows(cfg: Config, end_marker: bool) -> Iterator[dict[str, Any]]:
+    from ray_mmbatch.pipeline import MeasureStage
+
+    stage = MeasureStage(cfg.image, cfg.text, cfg.budget)
+    for batch in _chunks(_raw_rows(cfg, end_marker), max(1, cfg.data.measure_batch)):
+        out = stage(batch)
+        n = len(out[S.SAMPLE_ID])
+        yield from ({k: v[i] for k, v in out.items()} for i in range(n))
+
+
+def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
+                  with_skips: bool = False) -> Iterator[dict[str, Any]]:
+    """Collated batches (as a Train worker receives them) for ``cfg``; ``limit`` stops after that many.
+
+    The config goes through ``models.configure`` first (a checkpoint's image / text settings).
+    ``with_skips`` also yields ``{"skipped": [[sample_id, reason], ...]}`` records as they occur.
+    """
+    from ray_mmbatch.batching.collate import decode_batch
+    from ray_mmbatch.models import configure, token_ids
+    from ray_mmbatch.pipeline import PLAN, CarryPlanStage, MaterializeStage, plan_rows, uses_carry
+
+    cfg = configure(copy.deepcopy(cfg))
+    if not cfg.data.path:
+        raise ValueError("local_batches needs cfg.data.path (a Parquet / WebDataset / LLaVA dataset)")
+    carry = uses_carry(cfg.budget)
+    seed = cfg.train.seed
+    planner = CarryPlanStage(cfg.budget, seed, epoch) if carry else None
+    materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"])
+    done = 0
+    for window in _chunks(_measured_rows(cfg, end_marker=carry), max(1, cfg.budget.window)):
+        plans = planner(window) if carry else plan_rows(window, cfg.budget, seed, epoch)
+        for i in range(len(plans[S.BATCH_ID])):
+            one = {S.BATCH_ID: [plans[S.BATCH_ID][i]], PLAN: [plans[PLAN][i]],
+                   S.BATCH_SKIPPED: [plans[S.BATCH_SKIPPED][i]]}
+            row = {k: v[0] for k, v in materialize(one).items()}
+            skipped = json.loads(row[S.BATCH_SKIPPED])
+            if with_skips and skipped:
+                yield {"skipped": skipped}
+            if int(row[S.BATCH_N_SAMPLES]) == 0:
+                continue
+            batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
+            batch["batch_id"] = str(row[S.BATCH_ID])
+            yield batch
+            done += 1
+            if limit is not None and done >= limit:
+                return
+
+
+__all__ = ["local_batches"]
