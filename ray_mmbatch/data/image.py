@@ -20,8 +20,9 @@ PNG the EXIF orientation is read without Pillow's full decode unless a metadata 
 follows the pixel data), so measuring a sample's image tokens is cheap and exact before
 any pixel is touched (2,164 generated images: 0.83 s -> 0.08 s once PNGs stopped decoding).
 ``decode_image`` is the expensive step (once per trained sample): exact decode reads every
-JPEG at full scale, so its cost grows with the file's pixels, not the grid (about 2-5x the
-``fast_decode`` cost for 1-12 MP JPEGs, same for PNG; benchmarks/bench_decode.py).
+JPEG at full scale, so its cost grows with the file's pixels, not the grid: 2-6x the
+``fast_decode`` cost for JPEGs at least twice the target's sides, the same for PNG and for
+JPEGs near the target (benchmarks/bench_decode.py; figures in benchmarks/RESULTS.md).
 ``fast_decode`` decodes big JPEGs at a reduced DCT scale (``draft``) and resizes with
 ``reducing_gap``: cheaper, pixels no longer HF's. Grey images (documents, the largest here)
 are resized as one band before becoming RGB (same bytes as HF, ~1/3 the resize work).
