@@ -177,6 +177,21 @@ def test_batch_equals_each_sample_alone_through_hf(family, mode):
     assert worst < TOL
 
 
+def test_eager_attention_packs_exactly_too(family):
+    """attn_implementation='eager' gets its block mask from the same row-0 positions."""
+    cfg = Config()
+    cfg.model.path = family.cfg.model.path
+    cfg.model.attn_implementation = "eager"
+    qwen_vl.configure(cfg)
+    eager = SimpleNamespace(**{**vars(family), "model": qwen_vl.create_model(cfg, family.ids).eval()})
+    assert eager.model.hf_model.config._attn_implementation == "eager"
+    which = range(len(family.samples))
+    with torch.no_grad():
+        ours = torch.cat(_split(eager.model.target_ce(_batch(eager, "pack")), eager, which))
+        refs = torch.cat([_reference_ce(eager, i) for i in which])
+    assert float((ours - refs).abs().max()) < TOL
+
+
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_batch_gradients_equal_sum_of_per_sample_gradients(family, mode):
     model = family.model
