@@ -48,3 +48,28 @@ def filler_batch(patch_dim: int) -> dict[str, Any]:
             "max_seqlen": 2, "seq_lens": np.array([2], np.int32), "patches": np.zeros((0, patch_dim), np.uint8),
             "image_grid_thw": np.zeros((0, 3), np.int32), "image_sample_index": np.zeros(0, np.int32),
             "vision_cu_seqlens": np.zeros(1, np.int32), "sample_ids": [], "real_tokens": 0, "target_tokens": 0}
+
+
+def split_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    """The inverse of collate: a collated batch (pack or pad) -> its samples, each as collate takes them
+    (sample_id, input_ids, labels, patches, grids), in batch order."""
+    grids = np.asarray(batch["image_grid_thw"]).reshape(-1, 3)
+    owner = np.asarray(batch["image_sample_index"])
+    vcu = np.asarray(batch["vision_cu_seqlens"])
+    lens = np.asarray(batch["seq_lens"])
+    if batch["mode"] == "pack":
+        cu = np.asarray(batch["cu_seqlens"])
+        rows = [(0, int(cu[i]), int(cu[i + 1])) for i in range(len(lens))]
+    else:
+        rows = [(i, 0, int(n)) for i, n in enumerate(lens)]
+    out = []
+    for i, (r, a, b) in enumerate(rows):
+        mine = np.flatnonzero(owner == i)
+        patches = [batch["patches"][vcu[j]:vcu[j + 1]] for j in mine]
+        out.append({
+            "sample_id": str(batch["sample_ids"][i]) if i < len(batch["sample_ids"]) else f"#{i}",
+            "input_ids": np.asarray(batch["input_ids"][r, a:b]), "labels": np.asarray(batch["labels"][r, a:b]),
+            "patches": np.concatenate(patches) if patches else batch["patches"][:0],
+            "grids": grids[mine],
+        })
+    return out

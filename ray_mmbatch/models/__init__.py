@@ -10,8 +10,9 @@ A backend module defines::
     create_model(cfg, ids)    -> torch.nn.Module with forward(batch, loss_only=True) ->
                               (ce_sum fp32, n_target) on the dict a Train worker receives
                               (batching/collate.py layout, tensors); HF backends expose .hf_model
-    export(model, cfg, dir)   the trained model in the family's own format (HF: save_pretrained of
-                              model + tokenizer + processor config)
+    export(model, cfg, dir, state_dict=None)
+                              the trained model in the family's own format (HF: save_pretrained of
+                              model + tokenizer + processor config); state_dict = FSDP's gathered one
 
 So the train loop never names a model class: it asks ``get_backend(cfg)``. The cost model
 (image size -> tokens / patches) runs in the data path from the ImageConfig that

@@ -191,15 +191,17 @@ class HFModel(nn.Module):
         return F.cross_entropy(logits, labels[is_target].long(), reduction="sum"), is_target.sum()
 
 
-def export_hf(model: nn.Module, cfg, directory) -> Path:
-    """save_pretrained of the model + the tokenizer, and the checkpoint's processor files copied."""
+def export_hf(model: nn.Module, cfg, directory, state_dict: dict | None = None) -> Path:
+    """save_pretrained of the model + the tokenizer, and the checkpoint's processor files copied.
+
+    ``state_dict``: the full weights with ``hf_model.`` keys stripped (FSDP: gathered on rank 0)."""
     from ray_mmbatch.data.text import load_tokenizer
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     hf = getattr(model, "module", model)
     hf = getattr(hf, "hf_model", hf)
-    hf.save_pretrained(d, safe_serialization=True)
+    hf.save_pretrained(d, state_dict=state_dict)
     load_tokenizer(cfg.text.tokenizer or cfg.model.path).save_pretrained(d)
     src = Path(cfg.model.path)
     for name in _SIDE_FILES:

@@ -220,8 +220,8 @@ def create_model(cfg, ids: dict):
     return HFModel(hf, make_adapter(hf, cfg.image), vision_modules)
 
 
-def export(model, cfg, directory) -> Path:
+def export(model, cfg, directory, state_dict=None) -> Path:
     """save_pretrained of model + tokenizer, the checkpoint's processor files copied (hf_common.export_hf)."""
     from ray_mmbatch.models.hf_common import export_hf
 
-    return export_hf(model, cfg, directory)
+    return export_hf(model, cfg, directory, state_dict)

@@ -233,8 +233,8 @@ def create_model(cfg, ids: dict):
     return HFModel(hf, adapter, _vision_modules)
 
 
-def export(model, cfg, directory) -> None:
+def export(model, cfg, directory, state_dict=None) -> None:
     """save_pretrained of model + tokenizer, and the checkpoint's processor files (hf_common.export_hf)."""
     from ray_mmbatch.models.hf_common import export_hf
 
-    export_hf(model, cfg, directory)
+    export_hf(model, cfg, directory, state_dict)

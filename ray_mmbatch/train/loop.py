@@ -254,7 +254,12 @@ class Runner:
                  "initial_loss": self.initial_loss, "samples_seen": self.samples_seen}
         with tempfile.TemporaryDirectory() as tmp:
             ray_ckpt = None
-            if self.rank == 0:
+            if self.cfg.train.fsdp:  # every rank writes its shards; Ray merges the rank folders
+                from ray_mmbatch.train.fsdp import save_sharded
+
+                save_sharded(tmp, self.model, self.opt, self.sched, state)
+                ray_ckpt = ray.train.Checkpoint.from_directory(tmp)
+            elif self.rank == 0:
                 model = getattr(self.model, "module", self.model)
                 ckpt.save_checkpoint(tmp, model, self.opt, self.sched, state)
                 ray_ckpt = ray.train.Checkpoint.from_directory(tmp)
@@ -270,7 +275,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
 
     from ray_mmbatch.models import get_backend
-    from ray_mmbatch.train.step import Progress, build_optimizer
+    from ray_mmbatch.train import fsdp
+    from ray_mmbatch.train.step import Progress, autocast_dtype, build_optimizer
 
     cfg = apply_overrides(Config(), flatten(config["cfg"]))
     ctx = ray.train.get_context()
@@ -279,6 +285,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     backend = get_backend(cfg)
     model = backend.create_model(cfg, config)
+    if cfg.train.fsdp:  # shard before the optimizer is built: sharding replaces the parameters
+        model = fsdp.shard_model(model, device, mixed_precision=autocast_dtype(cfg.train.precision, device))
     # max_steps: cosine over those steps; by epochs: cosine over the share of the planned
     # samples done (the step count is only known once the batches are planned)
     planned = 0 if cfg.train.max_steps else int(config.get("planned_samples", 0))
@@ -288,9 +296,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     restored = ray.train.get_checkpoint()
     if restored is not None:
         with restored.as_directory() as d:
-            state = ckpt.load_checkpoint(d, model, optimizer, scheduler)
-    model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
+            load = fsdp.load_sharded if cfg.train.fsdp else ckpt.load_checkpoint
+            state = load(d, model, optimizer, scheduler)
+    if not cfg.train.fsdp:
+        model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
     shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
     Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned).run()
-    if cfg.train.export_hf and rank == 0:
-        backend.export(getattr(model, "module", model), cfg, Path(cfg.train.output_dir) / EXPORT_DIR)
+    if cfg.train.export_hf:
+        bare = getattr(model, "module", model)
+        # under FSDP the parameters are shards: every rank takes part in gathering the full weights
+        full = fsdp.full_state_dict(bare, "hf_model." if hasattr(bare, "hf_model") else "") if cfg.train.fsdp else None
+        if rank == 0:
+            backend.export(bare, cfg, Path(cfg.train.output_dir) / EXPORT_DIR, full)

@@ -26,8 +26,9 @@ def create_model(cfg, ids: dict):
                        pad_id=ids["pad_id"])
 
 
-def export(model, cfg, directory) -> None:
-    """model.pt (state dict) + config.yaml: what ``build_model`` needs to rebuild it."""
+def export(model, cfg, directory, state_dict=None) -> None:
+    """model.pt (state dict; ``state_dict`` when given, e.g. gathered from FSDP shards) + config.yaml:
+    what ``build_model`` needs to rebuild it."""
     from pathlib import Path
 
     import torch
@@ -36,7 +37,7 @@ def export(model, cfg, directory) -> None:
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), d / "model.pt")
+    torch.save(model.state_dict() if state_dict is None else state_dict, d / "model.pt")
     save_config(cfg, d / "config.yaml")
 
 
