@@ -64,7 +64,7 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
             continue
         sec = getattr(defaults, section)
         default = getattr(sec, field)
-        doc = _field_doc(type(sec), field)
+        doc = _field_doc(type(sec), field).replace("%", "%%")  # argparse formats help with %
         extra = {"nargs": "?", "const": "true"} if isinstance(default, bool) else {}
         parser.add_argument(flag, dest=key, default=None, metavar=type(default).__name__.upper() if
                             default is not None else "VALUE", help=f"{doc} (default: {default!r})", **extra)

@@ -33,7 +33,8 @@ class ImageConfig:
     resize: str = "smart"
     """'smart' (Qwen-VL dynamic resolution: sides multiples of patch_size*merge_size within min/max_pixels,
     exactly as the HF Qwen2-VL processor) or 'fixed' (LLaVA / CLIP: shortest edge to image_size, centre crop
-    to image_size x image_size; a fixed number of image tokens)."""
+    to image_size x image_size; a fixed number of image tokens) or 'fixed_pad' (LLaVA do_pad: pad to a square
+    of the mean colour first, then as 'fixed')."""
     image_size: int = 336
     """resize='fixed': side of the square image the vision tower sees (pixels)."""
     max_aspect: float = 200.0

@@ -135,7 +135,7 @@ def test_broken_images_are_broken_the_way_claimed():
 
 
 def test_hostile_valid_images_decode():
-    expect = {"tiny_1x1": lambda im: im.size == (1, 1), "thin_1x2000": lambda im: im.size == (1, 2000),
+    expect = {"tiny_1x1": lambda im: im.size == (1, 1), "thin_2x300": lambda im: im.size == (2, 300),
               "png_16bit": lambda im: im.mode.startswith("I"), "cmyk_jpeg": lambda im: im.mode == "CMYK",
               "palette_transparency": lambda im: im.mode == "P" and "transparency" in im.info,
               "exif_rotated": lambda im: im.getexif().get(0x0112) == 6}

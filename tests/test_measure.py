@@ -34,8 +34,8 @@ def varied_images() -> dict[str, bytes]:
     p.putpalette([0, 0, 0, 200, 30, 30] + [0] * 762)
     return {
         "1x1": encode(Image.new("RGB", (1, 1), "red"), "PNG"),
-        "thin_1x4000": encode(Image.new("L", (4000, 1), 128), "PNG"),
-        "tall_3x2500": encode(Image.new("RGB", (3, 2500), "blue"), "BMP"),
+        "thin_4000x20": encode(Image.new("L", (4000, 20), 128), "PNG"),
+        "tall_3x597": encode(Image.new("RGB", (3, 597), "blue"), "BMP"),
         "3000x2000": encode(photo.resize((3000, 2000)), "JPEG", quality=80),
         "rgba": encode(photo.resize((200, 120)).convert("RGBA"), "PNG"),
         "la": encode(Image.new("LA", (64, 300), (10, 100)), "PNG"),

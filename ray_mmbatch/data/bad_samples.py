@@ -214,11 +214,12 @@ KINDS: dict[str, tuple[str, tuple[str, ...], object]] = {
     "placeholder_mismatch": (schema.SKIP_PLACEHOLDER_MISMATCH, CONV, _placeholder_mismatch),
     "empty_answer": (schema.SKIP_EMPTY_TEXT, ALL, _empty_answer),
     "too_many_images": (schema.SKIP_TOO_MANY_IMAGES, CONV, _too_many_images),
+    "extreme_aspect": (schema.SKIP_EXTREME_ASPECT, ALL, _image_kind(lambda rng: _plain_png(1, 2000), "png")),
     # ---- hostile but valid: must be used
     "special_token_text": ("", CONV, _special_token_text),
     "placeholder_in_answer": ("", CONV, _placeholder_in_answer),
     "tiny_1x1": ("", ALL, _image_kind(lambda rng: _plain_png(1, 1), "png")),
-    "thin_1x2000": ("", ALL, _image_kind(lambda rng: _plain_png(1, 2000), "png")),
+    "thin_2x300": ("", ALL, _image_kind(lambda rng: _plain_png(2, 300), "png")),
     "png_16bit": ("", ALL, _image_kind(_png16, "png")),
     "cmyk_jpeg": ("", ALL, _image_kind(_cmyk_jpeg, "jpg")),
     "palette_transparency": ("", ALL, _image_kind(_palette_transparent, "png")),
