@@ -3,7 +3,7 @@
 
 Runs packed (or padded) batches of DATA, and the same samples one at a time, through the
 model; prints the largest per-token loss difference as JSON and exits 1 above the tolerance
-(default 1e-4 nats in fp32, 0.1 in bf16), 2 when no batch could be made.
+(default 1e-4 nats in fp32, 0.05 in bf16), 2 when no batch could be made.
 
     python jobs/verify_packing.py --model /ckpt/Qwen2-VL-2B-Instruct --data DATA --mode pack --batches 8
 """
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     add_config_flags(parser)
     parser.add_argument("--batches", type=int, default=4, help="batches to check (default: 4)")
     parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest allowed per-token difference in nats (default: 1e-4 fp32, 0.1 bf16)")
+                        help="largest allowed per-token difference in nats (default: 1e-4 fp32, 0.05 bf16)")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device (default: cuda if any)")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)

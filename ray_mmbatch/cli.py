@@ -31,7 +31,7 @@ FLAGS: dict[str, str] = {
     "--d-model": "model.d_model", "--n-layers": "model.n_layers", "--n-heads": "model.n_heads",
     "--vision-d-model": "model.vision_d_model", "--vision-layers": "model.vision_layers",
     "--attention": "model.attention",
-    "--num-workers": "train.num_workers", "--use-gpu": "train.use_gpu", "--precision": "train.precision",
+    "--num-workers": "train.num_workers", "--use-gpu": "train.use_gpu", "--gpus-per-worker": "train.gpus_per_worker", "--precision": "train.precision",
     "--lr": "train.lr", "--grad-accum": "train.grad_accum", "--max-steps": "train.max_steps",
     "--epochs": "train.epochs", "--report-every": "train.report_every",
     "--checkpoint-every": "train.checkpoint_every", "--max-failures": "train.max_failures",

@@ -135,6 +135,8 @@ class TrainConfig:
     """Train on GPUs (one per worker)."""
     cpus_per_worker: float = 1.0
     """CPUs reserved by each Train worker."""
+    gpus_per_worker: float = 1.0
+    """GPUs per Train worker with use_gpu (a fraction shares one GPU, e.g. 0.5 for a 2-worker smoke test)."""
     precision: str = "auto"
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp32'."""
     lr: float = 3e-3

@@ -21,7 +21,7 @@ from ray_mmbatch.batching.layout import split_batch
 from ray_mmbatch.schema import IGNORE_INDEX
 from ray_mmbatch.train.step import autocast_dtype, batch_to_torch
 
-DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}  # per-token nats; bf16 rounding alone moves CE by ~1e-2
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.05}  # per-token nats; bf16 rounding alone moves CE by ~2e-3 (CPU)
 
 
 @torch.no_grad()

@@ -116,6 +116,13 @@ def planned_samples(cfg: Config) -> int:
     return max(1, cfg.train.epochs) * count_samples(cfg.data.path, cfg.data)
 
 
+def _worker_resources(cfg: Config) -> dict[str, float]:
+    res = {"CPU": cfg.train.cpus_per_worker}
+    if cfg.train.use_gpu:
+        res["GPU"] = cfg.train.gpus_per_worker
+    return res
+
+
 def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -160,7 +167,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
         train_loop_per_worker,
         train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg)},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
-                                     resources_per_worker={"CPU": cfg.train.cpus_per_worker}),
+                                     resources_per_worker=_worker_resources(cfg)),
         run_config=RunConfig(
             name=name, storage_path=str(storage),
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
