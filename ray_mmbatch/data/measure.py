@@ -37,7 +37,7 @@ import numpy as np
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.image import ImageSkip, decode_image, image_grid, patchify, probe_image
-from ray_mmbatch.data.text import TextSkip, encode_conversations, special_ids
+from ray_mmbatch.data.text import TextSkip, encode_conversations, image_token_id
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_TARGET = np.zeros(0, dtype=np.uint8)
@@ -97,7 +97,7 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             reasons[i] = e.skip_reason()
     rows = list(convs)
     encoded = encode_conversations([convs[i] for i in rows], [len(grids[i]) for i in rows], tok,
-                                   train_on_prompt=text_cfg.train_on_prompt)
+                                   train_on_prompt=text_cfg.train_on_prompt, image_token=text_cfg.image_token)
     ids: list[np.ndarray] = [_EMPTY_IDS] * n
     target: list[np.ndarray] = [_EMPTY_TARGET] * n
     for i, result in zip(rows, encoded):
@@ -119,7 +119,7 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
         S.TEXT_TOKENS: text_tokens, S.IMAGE_TOKENS: image_tokens, S.PATCHES: patches, S.N_IMAGES: n_images,
         S.TOKENS: text_tokens + image_tokens,
         S.SKIP_REASON: np.array(reasons, dtype=object),
-        S.IMAGE_TOKEN_ID: np.full(n, special_ids(tok)[S.IMAGE_PAD], dtype=np.int64),
+        S.IMAGE_TOKEN_ID: np.full(n, image_token_id(tok, text_cfg), dtype=np.int64),
     })
     return out
 
@@ -164,8 +164,9 @@ def fit_to_budget(row: dict, budget: BudgetConfig) -> dict:
     target = np.asarray(row[S.TEXT_TARGET], dtype=np.uint8)
     keep = len(ids) - (tokens - cap)
     floor = 0
-    if n_images:  # never cut into an image: keep through the last <|vision_end|> (right after the last pad)
-        floor = int(np.flatnonzero(ids == int(row[S.IMAGE_TOKEN_ID]))[-1]) + 2
+    if n_images:  # never cut into an image: keep its token and the one the template writes after it
+        # (Qwen-VL <|vision_end|>, LLaVA's newline), never past the end of the sample
+        floor = min(int(np.flatnonzero(ids == int(row[S.IMAGE_TOKEN_ID]))[-1]) + 2, len(ids))
     if keep < floor:
         return _skipped(row, f"{S.SKIP_OVERSIZE}: {what}; its images alone need {tokens - (len(ids) - floor)}")
     if not target[1:keep].any():  # labels are shifted: target[0] never becomes a label
