@@ -222,6 +222,17 @@ def test_template_mode_adds_no_tokens(llava_cfg, qwen_cfg):
     assert not uses_template(plain) and S.IM_START in plain.get_vocab() and plain is not tokenizer_for(llava_cfg)
 
 
+def test_a_template_kept_by_the_processor_is_used(tmp_path):
+    # llava-hf checkpoints keep the template in chat_template.json (the processor's), not the tokenizer's files
+    path = _checkpoint(tmp_path, None, [LLAVA_IMAGE])
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": chat_templates.LLAVA}))
+    cfg = TextConfig(tokenizer=path, image_token=LLAVA_IMAGE)
+    tok = tokenizer_for(cfg)
+    assert uses_template(tok)
+    conv, k, messages = CASES[0]
+    assert enc1(cfg, conv, k)[0].tolist() == own_ids(cfg, messages)
+
+
 def test_pad_token_is_eos_when_the_checkpoint_has_none(tmp_path):
     from transformers import PreTrainedTokenizerFast
 

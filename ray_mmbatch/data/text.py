@@ -108,7 +108,9 @@ def _load_tokenizer(path: str, chat_template: str):
     tok = loader.from_pretrained(path)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{path}: a fast (Rust) tokenizer is required, got {type(tok).__name__}")
-    template = chat_template == "auto" and bool(getattr(tok, "chat_template", None))
+    if chat_template == "auto" and not getattr(tok, "chat_template", None):
+        tok.chat_template = _processor_chat_template(path)
+    template = chat_template == "auto" and bool(tok.chat_template)
     if template:
         if tok.pad_token is None:
             if tok.eos_token is None and tok.unk_token is None:
@@ -123,6 +125,19 @@ def _load_tokenizer(path: str, chat_template: str):
             tok.add_special_tokens({"pad_token": S.PAD_TOKEN})
     _TEMPLATE_MODE[tok] = template
     return tok
+
+
+def _processor_chat_template(path: str) -> str | None:
+    """A checkpoint whose template sits with its processor (llava-hf: chat_template.json), not its tokenizer."""
+    for name in ("chat_template.json", "processor_config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(template, str) and template:
+            return template
+    return None
 
 
 def uses_template(tok) -> bool:
