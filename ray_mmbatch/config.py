@@ -201,6 +201,12 @@ class DataConfig:
     """Upper bound of the actor pools for measure and materialize."""
     measure_batch: int = 64
     """Rows per measure call (tokenizer batch)."""
+    max_file_bytes: int = 64 * 2**20
+    """Largest image file / tar member read (bytes; from the tar header or stat, before reading); larger ones
+    are skipped as file_too_large. 0 = no limit."""
+    max_text_chars: int = 1_000_000
+    """Text characters kept per sample before tokenizing (the rest is cut, so --oversize then truncates or
+    skips the sample as for any long one); keep it above max_tokens x the longest token. 0 = no limit."""
 
 
 @dataclass

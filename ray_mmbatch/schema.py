@@ -54,6 +54,11 @@ SKIP_TEXT_ENCODING = "text_encoding"              # text cannot be encoded (e.g.
 SKIP_EMPTY_TEXT = "empty_text"                    # nothing to train on (no target tokens)
 SKIP_OVERSIZE = "oversize"                        # cannot fit any batch and policy is "skip"
 SKIP_TOO_MANY_IMAGES = "too_many_images"          # more images than max_images allows
+SKIP_FILE_TOO_LARGE = "file_too_large"            # an image file / tar member over data.max_file_bytes (never read)
+# A read unit that cannot be read at all (corrupt / not Parquet, unreadable or dangling shard, FIFO,
+# a file without the text column): ONE row whose sample id is the file's path; counted as a skipped
+# FILE (skipped_files), not as a sample; the run goes on with the other files.
+SKIP_UNREADABLE_FILE = "unreadable_file"
 
 # End-of-stream marker: one RAW row the readers append after the last sample when
 # the plan stage carries batches across windows (batching/carry.py). It is not a
@@ -94,6 +99,15 @@ SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, IM_START, IM_END, VISION_START, VISION_E
 IMAGE_PLACEHOLDER = "<image>"
 
 IGNORE_INDEX = -100
+
+# Conversation roles as data writes them (any case) -> the RAW row's role. The one table;
+# data/text.py maps RAW roles on to the chat template's system / user / assistant.
+ROLE_NAMES = {"system": "system", "human": "human", "user": "human", "gpt": "gpt", "assistant": "gpt"}
+
+
+def canonical_role(role) -> str | None:
+    """'Human', 'USER', 'gpt', 'Assistant' ... -> system | human | gpt; None for anything else."""
+    return ROLE_NAMES.get(role.strip().lower()) if isinstance(role, str) else None
 
 # ---------------------------------------------------------------- run dir
 # What a training run writes under its output dir (read by jobs/report.py).

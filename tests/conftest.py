@@ -9,6 +9,25 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# The S3-compatible server of the object-store tests (tests/test_formats_s3.py) listens on S3_PORT.
+# Set before the shared Ray cluster starts, so its workers inherit the endpoint and the fake keys
+# (the standard AWS variables pyarrow reads); no test can reach a real bucket.
+S3_PORT = _free_port()
+os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{S3_PORT}", AWS_ACCESS_KEY_ID="testing",
+                  AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1", AWS_REGION="us-east-1",
+                  AWS_EC2_METADATA_DISABLED="true")
+for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+    os.environ.pop(_var, None)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster shared by every Ray test (start-up costs ~7 s).

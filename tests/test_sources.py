@@ -1,4 +1,4 @@
-"""Pure format adapters: Parquet tables, tar shards and LLaVA records -> RAW rows (no Ray)."""
+"""Pure format adapters (ray_mmbatch/formats): Parquet tables, tar shards and LLaVA records -> RAW rows (no Ray)."""
 from __future__ import annotations
 
 import ast
@@ -14,8 +14,11 @@ import pytest
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
 from ray_mmbatch.data import sources
-from ray_mmbatch.data.sources import (conversations_to_json, llava_rows, parquet_rows, resolve_image_path,
-                                      webdataset_samples)
+from ray_mmbatch.formats import fs as formats_fs
+from ray_mmbatch.formats.llava import llava_rows, resolve_image_path
+from ray_mmbatch.formats.parquet import parquet_rows
+from ray_mmbatch.formats.records import conversations_to_json
+from ray_mmbatch.data.sources import webdataset_samples
 
 CONV = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A cat."}]
 
@@ -50,8 +53,9 @@ def test_parquet_rows_hf_style_lists_structs_and_missing():
     convs = pa.array([CONV, [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}], CONV])
     table = pa.table({"id": ["x", None, "z"], "images": images, "conversations": convs})
     rows = _rows(parquet_rows(table, DataConfig(), file_name="f.parquet", row_offset=10))
-    assert [r[schema.SAMPLE_ID] for r in rows] == ["x", "f.parquet:11", "z"]
-    assert rows[0][schema.IMAGES] == [b"A", b"B"] and rows[0][schema.IMAGE_REFS] == ["a.jpg", "x#1"]
+    assert [r[schema.SAMPLE_ID] for r in rows] == ["f.parquet:10#x", "f.parquet:11", "f.parquet:12#z"]
+    assert rows[0][schema.IMAGES] == [b"A", b"B"]
+    assert rows[0][schema.IMAGE_REFS] == ["a.jpg", "f.parquet:10#x#1"]
     assert rows[1][schema.IMAGES] == [] and rows[1][schema.READ_ERROR] == ""
     assert rows[2][schema.READ_ERROR].startswith(schema.SKIP_MISSING_FILE) and rows[2][schema.IMAGES] == []
     assert json.loads(rows[0][schema.CONVERSATIONS]) == CONV
@@ -63,15 +67,15 @@ def test_parquet_rows_custom_columns_single_struct_plain_text_no_id():
     table = pa.table({"pic": image, "caption": ["a red circle", None]})
     cfg = DataConfig(image_column="pic", text_column="caption", id_column="uid")
     rows = _rows(parquet_rows(table, cfg, file_name="dir/c.parquet", row_offset=0))
-    assert [r[schema.SAMPLE_ID] for r in rows] == ["c.parquet:0", "c.parquet:1"]
+    assert [r[schema.SAMPLE_ID] for r in rows] == ["dir/c.parquet:0", "dir/c.parquet:1"]
     assert json.loads(rows[0][schema.CONVERSATIONS]) == [{"from": "gpt", "value": "a red circle"}]
     assert rows[0][schema.IMAGES] == [b"P"]
     assert rows[1][schema.READ_ERROR].startswith(schema.SKIP_MALFORMED_RECORD)
     # raw binary image column and no image column at all
     raw = _rows(parquet_rows(pa.table({"id": ["q"], "image": [b"RAW"], "text": ["t"]}),
-                             DataConfig(image_column="image", text_column="text")))
+                             DataConfig(image_column="image", text_column="text"), row_offset=0))
     assert raw[0][schema.IMAGES] == [b"RAW"]
-    none = _rows(parquet_rows(pa.table({"id": ["q"], "text": ["t"]}), DataConfig(text_column="text")))
+    none = _rows(parquet_rows(pa.table({"id": ["q"], "text": ["t"]}), DataConfig(text_column="text"), row_offset=0))
     assert none[0][schema.IMAGES] == [] and none[0][schema.READ_ERROR] == ""
     with pytest.raises(ValueError, match="text column"):
         parquet_rows(table, DataConfig())
@@ -100,19 +104,23 @@ def test_webdataset_groups_by_key_and_orders_extra_images_numerically():
                  ("k4.png", b"orphan"), ("k5.json", _json("five", "not a list")),
                  ("k6.json", json.dumps({"text": "plain"}).encode())])
     rows = {r[schema.SAMPLE_ID]: r for r in webdataset_samples(data, "s.tar")}
-    assert list(rows) == ["one", "k2", "k3", "k4", "five", "k6"]
-    assert rows["one"][schema.IMAGES] == [b"I0", b"I2", b"I10"]
-    assert rows["one"][schema.IMAGE_REFS] == ["s.tar/d/k1.png", "s.tar/d/k1.2.png", "s.tar/d/k1.10.jpg"]
-    assert json.loads(rows["k2"][schema.CONVERSATIONS]) == [{"from": "gpt", "value": "just a caption"}]
-    for sid in ("k3", "k4", "five"):
+    assert list(rows) == ["s.tar/d/k1#one", "s.tar/k2", "s.tar/k3", "s.tar/k4", "s.tar/k5#five", "s.tar/k6"]
+    one = rows["s.tar/d/k1#one"]
+    assert one[schema.IMAGES] == [b"I0", b"I2", b"I10"]
+    assert one[schema.IMAGE_REFS] == ["s.tar/d/k1.png", "s.tar/d/k1.2.png", "s.tar/d/k1.10.jpg"]
+    assert json.loads(rows["s.tar/k2"][schema.CONVERSATIONS]) == [{"from": "gpt", "value": "just a caption"}]
+    for sid in ("s.tar/k3", "s.tar/k4", "s.tar/k5#five"):
         assert rows[sid][schema.READ_ERROR].startswith(schema.SKIP_MALFORMED_RECORD), sid
-    assert rows["k6"][schema.READ_ERROR] == ""
+    assert rows["s.tar/k6"][schema.READ_ERROR] == ""
 
 
 def test_webdataset_truncated_tar_keeps_rows_and_reports_the_tail():
     data = _tar([(f"k{i}.json", _json(f"s{i}")) for i in range(20)] + [("big.png", b"x" * 5000)])
     rows = webdataset_samples(data[: 20 * 1024 + 512 + 1000], "cut.tar")  # cut inside big.png
-    assert len(rows) == 21 and [r[schema.SAMPLE_ID] for r in rows[:20]] == [f"s{i}" for i in range(20)]
+    assert len(rows) == 22 and [r[schema.SAMPLE_ID] for r in rows[:20]] == [f"cut.tar/k{i}#s{i}" for i in range(20)]
+    # the member being read when the shard ended is its sample's problem, not a sample with fewer images
+    assert rows[20][schema.SAMPLE_ID] == "cut.tar/big" and "cut off" in rows[20][schema.READ_ERROR]
+    rows = rows[:20] + rows[21:]
     assert rows[-1][schema.READ_ERROR].startswith(schema.SKIP_MALFORMED_RECORD) and "cut.tar" in rows[-1][schema.READ_ERROR]
 
 
@@ -132,7 +140,7 @@ def llava_root(tmp_path: Path) -> Path:
 def test_llava_rows_resolve_paths_safely(llava_root: Path, monkeypatch):
     opened = []
     real_open = open
-    monkeypatch.setattr(sources, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False)
+    monkeypatch.setattr(formats_fs, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False)
     records = [
         {"id": "ok", "image": "images/a.jpg", "conversations": CONV},
         {"id": "many", "image": ["images/b.png", "images/inside.jpg"], "conversations": CONV},
@@ -146,9 +154,11 @@ def test_llava_rows_resolve_paths_safely(llava_root: Path, monkeypatch):
         {"image": "images/a.jpg", "conversations": CONV},
         {"id": 42, "conversations": [{"from": "gpt", "value": "text only"}]},
     ]
-    rows = {r[schema.SAMPLE_ID]: r for r in llava_rows(records, str(llava_root), file_name="data.json", row_offset=100)}
+    rows = {r[schema.SAMPLE_ID].partition("#")[2] or r[schema.SAMPLE_ID]: r
+            for r in llava_rows(records, str(llava_root), file_name="data.json", row_offset=100)}
     assert list(rows) == ["ok", "many", "dotdot", "abs", "link", "gone", "dir", "badfield", "data.json:108",
                           "data.json:109", "42"]
+    assert rows["ok"][schema.SAMPLE_ID] == "data.json:100#ok"
     assert rows["ok"][schema.IMAGES] == [b"AAA"] and rows["many"][schema.IMAGES] == [b"BBB", b"AAA"]
     expect = {"dotdot": schema.SKIP_PATH_OUTSIDE_ROOT, "abs": schema.SKIP_PATH_OUTSIDE_ROOT,
               "link": schema.SKIP_PATH_OUTSIDE_ROOT, "gone": schema.SKIP_MISSING_FILE, "dir": schema.SKIP_MISSING_FILE,
@@ -171,8 +181,11 @@ def test_resolve_image_path_never_accepts_escapes(llava_root: Path):
 
 def test_pure_modules_do_not_import_ray():
     pkg = Path(sources.__file__).parent
-    for name in ("sources.py", "generate.py", "draw.py", "bad_samples.py", "shard_writers.py"):
-        tree = ast.parse((pkg / name).read_text())
+    files = [pkg / n for n in ("sources.py", "generate.py", "draw.py", "bad_samples.py", "shard_writers.py")]
+    files += sorted(Path(formats_fs.__file__).parent.glob("*.py"))
+    for path in files:
+        name = path.name
+        tree = ast.parse(path.read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "ray" not in imported and "torch" not in imported, name

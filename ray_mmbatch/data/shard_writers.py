@@ -60,7 +60,7 @@ def write_parquet_shard(out: str, shard: int, n_shards: int, samples: list[Sampl
     name = _parquet_name(shard, n_shards)
     pq.write_table(table, os.path.join(out, name), row_group_size=ROW_GROUP_SIZE,
                    use_dictionary=False)
-    return {"paths": [name], "ids": [s.sample_id for s in samples]}
+    return {"paths": [name], "ids": [f"{name}:{row}#{s.sample_id}" for row, s in enumerate(samples)]}
 
 
 def caption_text(conversations) -> str | None:
@@ -83,7 +83,7 @@ def write_caption_shard(out: str, shard: int, n_shards: int, samples: list[Sampl
     pq.write_table(pa.Table.from_pylist(rows, schema=CAPTION_SCHEMA), os.path.join(out, name),
                    row_group_size=ROW_GROUP_SIZE,
                    use_dictionary=False)
-    return {"paths": [name], "ids": [s.sample_id for s in samples]}
+    return {"paths": [name], "ids": [f"{name}:{row}#{s.sample_id}" for row, s in enumerate(samples)]}
 
 
 def _add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -105,7 +105,7 @@ def write_webdataset_shard(out: str, shard: int, n_shards: int, samples: list[Sa
                 _add_member(tar, f"{key}.json", record)
             for k, im in enumerate(s.images):
                 _add_member(tar, f"{key}.{im.ext}" if k == 0 else f"{key}.{k}.{im.ext}", im.data)
-    return {"paths": [name], "ids": [s.sample_id for s in samples]}
+    return {"paths": [name], "ids": [f"{name}/{s.sample_id}" for s in samples]}
 
 
 def write_llava_shard(out: str, shard: int, n_shards: int, samples: list[Sample]) -> dict:
@@ -137,7 +137,7 @@ def write_llava_shard(out: str, shard: int, n_shards: int, samples: list[Sample]
         record = s.overrides.get("llava_record", record)
         records.append(record)
         no_id = not isinstance(record, dict) or "id" not in record
-        ids.append(None if no_id else s.sample_id)  # None: the reader derives "data.json:<row>"
+        ids.append(None if no_id else s.sample_id)  # the reader's id: "data.json:<row>[#<id>]"
     return {"paths": [], "ids": ids, "records": records}
 
 
@@ -149,9 +149,12 @@ def write_llava_index(out: str, infos: list[dict]) -> str:
 
 
 def manifest_ids(fmt: str, infos: list[dict]) -> list[str]:
-    """Every sample id a reader must produce, in written order (LLaVA rows without id -> 'data.json:<row>')."""
+    """Every sample id a reader must produce, in written order (formats/: file relative to the dataset
+    root + row / member key, then "#<id>"; LLaVA: 'data.json:<row>[#<id>]')."""
     ids = [i for info in infos for i in info["ids"]]
-    return [f"{LLAVA_INDEX}:{row}" if i is None else i for row, i in enumerate(ids)]
+    if fmt != "llava":
+        return ids
+    return [f"{LLAVA_INDEX}:{row}" + ("" if i is None else f"#{i}") for row, i in enumerate(ids)]
 
 
 WRITERS = {"parquet": write_parquet_shard, "caption": write_caption_shard,

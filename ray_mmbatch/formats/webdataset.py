@@ -1,0 +1,166 @@
+"""WebDataset: tar shards (``.tar``, ``.tar.gz``, ``.tgz``) of ``KEY.json`` / ``KEY.txt`` + ``KEY.jpg``, ``KEY.1.png`` ...
+
+Read unit: one shard, streamed (``tarfile`` "r|*" over the filesystem's input stream: a
+shard is never held whole, a gzip one is inflated as it goes). Members are grouped by
+key; extra images ``KEY.<n>.<ext>`` follow ``KEY.<ext>`` in numeric order of n. The
+record ``KEY.json`` is {"conversations" | "messages", "id"?} or {"text" | "caption"};
+``KEY.txt`` is a caption.
+
+Checked from the tar header BEFORE a member is read: its size against
+``data.max_file_bytes`` (a GNU sparse member claiming 8 GiB, a gzip bomb's 1 GiB of zeros:
+file_too_large, never read), and its type: a symlink, hard link, device or FIFO member is
+never followed (its sample is skipped as missing_file). A shard cut short keeps the
+samples before the cut, skips the one being read (malformed_record) and ends with one
+``<shard>:unreadable-tail`` row. A shard that cannot be opened (dangling link, FIFO,
+no permission) is one skipped-file row. Member names that are not UTF-8 are escaped.
+
+Id scheme: ``<shard relative to the dataset root>/<key>`` (keys that restart in every
+shard stay apart), plus ``#<id>`` when the JSON's id differs from the key.
+Pure module: no ray.
+"""
+from __future__ import annotations
+
+import json
+import tarfile
+import zlib
+
+from ray_mmbatch import schema
+from ray_mmbatch.formats import fs
+from ray_mmbatch.formats.records import (conversations_to_json, error, file_skip_row, raw_row, safe_text,
+                                         sample_id, text_to_json)
+
+EXTS = (".tar", ".tar.gz", ".tgz")
+RECORD_EXT, TEXT_EXT = "json", "txt"
+METADATA_EXTS = frozenset({"cls", "cls2", "id", "index", "key", "__key__", "url"})
+_TAR_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error, ValueError)
+
+
+def split_member(name: str) -> tuple[str, int, str]:
+    """'dir/KEY.2.png' -> ('dir/KEY', 2, 'png'); the key ends at the basename's first dot."""
+    folder, _, base = name.rpartition("/")
+    stem, _, suffix = base.partition(".")
+    parts = suffix.split(".") if suffix else [""]
+    index = int(parts[0]) if len(parts) == 2 and parts[0].isdigit() else 0
+    return (f"{folder}/{stem}" if folder else stem), index, parts[-1].lower()
+
+
+def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
+    return [{"path": f, "rel": fs.relative(f, root), "error": ""} for f in files]
+
+
+def _member_kind(m: tarfile.TarInfo) -> str:
+    return ("symlink" if m.issym() else "hard link" if m.islnk() else "device" if m.isdev()
+            else "FIFO" if m.isfifo() else "non-regular member")
+
+
+def scan(stream, rel: str, max_bytes: int, read: bool = True) -> tuple[dict, dict, str]:
+    """Stream a tar: ({key: [(index, ext, name, bytes)]}, {key: read_error}, tail error or "")."""
+    groups: dict[str, list] = {}
+    problems: dict[str, str] = {}
+    current, tail = None, ""
+    try:
+        with tarfile.open(fileobj=stream, mode="r|*") as archive:
+            for member in archive:
+                if member.isdir():
+                    continue
+                name = safe_text(member.name)
+                if name.rpartition("/")[2].startswith("."):  # hidden (macOS ._*): not data
+                    continue
+                key, index, ext = split_member(name)
+                members = groups.setdefault(key, [])
+                if not member.isfile():
+                    problems.setdefault(key, error(schema.SKIP_MISSING_FILE,
+                                                   f"{name} is a {_member_kind(member)}, not a regular file"))
+                    continue
+                if max_bytes and member.size > max_bytes:
+                    problems.setdefault(key, error(schema.SKIP_FILE_TOO_LARGE, f"{name}: {member.size:,} bytes "
+                                                   f"(tar header) > data.max_file_bytes={max_bytes:,}"))
+                    continue
+                current = key
+                data = archive.extractfile(member).read() if read else b""
+                current = None
+                members.append((index, ext, name, data))
+    except _TAR_ERRORS as exc:
+        if current is not None:
+            problems.setdefault(current, error(schema.SKIP_MALFORMED_RECORD, f"cut off in tar {rel}: {exc}"))
+        tail = error(schema.SKIP_MALFORMED_RECORD, f"tar {rel}: {exc}")
+    return groups, problems, tail
+
+
+def _record_conversation(rec: dict, max_chars: int) -> tuple[str, str]:
+    for field in ("conversations", "messages"):
+        if field in rec:
+            return conversations_to_json(rec[field], max_chars)
+    return text_to_json(rec.get("text", rec.get("caption")), max_chars)
+
+
+def _row(rel: str, key: str, members: list, problem: str, max_chars: int) -> dict:
+    where = f"{rel}/{key}"
+    record = [m for m in members if m[1] == RECORD_EXT]
+    text = [m for m in members if m[1] == TEXT_EXT]
+    images = sorted((m for m in members if m[1] not in (RECORD_EXT, TEXT_EXT) and m[1] not in METADATA_EXTS),
+                    key=lambda m: (m[0], m[1]))
+    refs = [f"{rel}/{m[2]}" for m in images]
+    blobs = [m[3] for m in images]
+    sid, conv, err = sample_id(where), "[]", ""
+    if record:
+        try:
+            rec = json.loads(record[0][3].decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            err = error(schema.SKIP_MALFORMED_RECORD, f"{key}.json: {exc}")
+        else:
+            if not isinstance(rec, dict):
+                err = error(schema.SKIP_MALFORMED_RECORD, f"{key}.json is not an object")
+            else:
+                uid = rec.get("id")
+                sid = sample_id(where, None if str(uid) == key else uid)
+                conv, err = _record_conversation(rec, max_chars)
+    elif text:
+        try:
+            conv, err = text_to_json(text[0][3].decode("utf-8"), max_chars)
+        except UnicodeDecodeError as exc:
+            err = error(schema.SKIP_TEXT_ENCODING, f"{key}.txt: {exc}")
+    elif not problem:
+        err = error(schema.SKIP_MALFORMED_RECORD, f"no {key}.json or {key}.txt")
+    err = problem or err
+    return raw_row(sid, conv, [] if err else blobs, refs, err)
+
+
+def rows_of_stream(stream, rel: str, data_cfg) -> list[dict]:
+    """RAW rows of one tar stream, in member order."""
+    groups, problems, tail = scan(stream, rel, getattr(data_cfg, "max_file_bytes", 0))
+    max_chars = getattr(data_cfg, "max_text_chars", 0)
+    rows = [_row(rel, key, members, problems.get(key, ""), max_chars) for key, members in groups.items()]
+    if tail:
+        rows.append(raw_row(f"{rel}:unreadable-tail", read_error=tail))
+    return rows
+
+
+def read_unit(unit: dict, data_cfg) -> list[dict]:
+    """RAW rows of one shard (or its one skipped-file row)."""
+    rel = unit["rel"]
+    if unit["error"]:
+        return [file_skip_row(rel, unit["error"])]
+    try:
+        stream = fs.open_input(unit["path"])
+    except (OSError, ValueError) as exc:
+        return [file_skip_row(rel, f"cannot open: {exc}")]
+    with stream:
+        return rows_of_stream(stream, rel, data_cfg)
+
+
+def count(units: list[dict], data_cfg) -> int:
+    """Rows the units yield, from the tar headers (members are skipped, not kept)."""
+    total = 0
+    for unit in units:
+        try:
+            stream = fs.open_input(unit["path"]) if not unit["error"] else None
+        except (OSError, ValueError):
+            stream = None
+        if stream is None:
+            total += 1
+            continue
+        with stream:
+            groups, _, tail = scan(stream, unit["rel"], 0, read=False)
+        total += len(groups) + bool(tail)
+    return total

@@ -1,0 +1,111 @@
+"""Data in an object store: the three formats read from s3:// (a real S3-compatible HTTP server on
+127.0.0.1, moto) give the same sample ids and token counts as the local copy."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import DataConfig, ImageConfig, TextConfig
+from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.data.measure import measure_batch
+from ray_mmbatch.data.text import tokenizer_for
+from ray_mmbatch.formats.fs import DataLocationError
+from ray_mmbatch.readers import count_samples, read_units
+
+moto_server = pytest.importorskip("moto.server")
+BUCKET = "vlm-data"
+SETS = {"parquet": ("parquet", "conversations"), "caption": ("parquet", "caption"),
+        "webdataset": ("webdataset", "conversations"), "llava": ("llava", "conversations")}
+CAPTION_CFG = dict(image_column="image", text_column="text", id_column="key")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """(local root, s3 root): the generated sets, uploaded. The server listens where conftest pointed
+    AWS_ENDPOINT_URL (set before any Ray worker started, so the workers reach it too)."""
+    import boto3
+
+    port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])  # conftest.S3_PORT
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    local = tmp_path_factory.mktemp("s3src")
+    client = boto3.client("s3")
+    client.create_bucket(Bucket=BUCKET)
+    for key, (fmt, style) in SETS.items():
+        generate_dataset(str(local / key), 24, fmt, seed=3, shard_size=10, workers=1, parquet_style=style)
+        for dirpath, _, files in os.walk(local / key):
+            for name in files:
+                path = Path(dirpath) / name
+                client.upload_file(str(path), BUCKET, f"sets/{path.relative_to(local).as_posix()}")
+    yield local, f"s3://{BUCKET}/sets"
+    server.stop()
+
+
+def _cfg(path: str, key: str) -> DataConfig:
+    return DataConfig(path=path, **(CAPTION_CFG if key == "caption" else {}))
+
+
+def _measured(path: str, key: str) -> dict[str, tuple]:
+    """In-process read (readers.read_units, the Ray read's own functions) + measure: id -> costs."""
+    cfg = _cfg(path, key)
+    units, read_fn, kwargs = read_units(path, cfg)
+    tok = tokenizer_for(TextConfig())
+    out = {}
+    for unit in units:
+        raw = read_fn(pa.Table.from_pylist([dict(unit, end=False)]), **kwargs).to_pydict()
+        m = measure_batch(raw, ImageConfig(), tok, TextConfig())
+        for i, sid in enumerate(m[S.SAMPLE_ID]):
+            out[sid] = (int(m[S.TOKENS][i]), int(m[S.PATCHES][i]), str(m[S.SKIP_REASON][i]).split(":")[0])
+    return out
+
+
+@pytest.mark.parametrize("key", list(SETS))
+def test_s3_reads_the_same_samples_and_tokens_as_local(s3, key):
+    local, remote = s3
+    here, there = _measured(str(local / key), key), _measured(f"{remote}/{key}", key)
+    assert list(there) == list(here) and len(here) >= 24  # same ids, same order
+    assert there == here
+    assert sum(t for t, _, r in here.values() if not r) > 1000
+    assert count_samples(f"{remote}/{key}", _cfg("", key)) == len(here)
+
+
+def test_missing_bucket_or_prefix_fails_at_start_naming_the_uri(s3):
+    _, remote = s3
+    for uri in (f"s3://no-such-bucket-{os.getpid()}/x", f"{remote}/nothing-here"):
+        with pytest.raises(DataLocationError, match=uri.replace("/", ".")):
+            read_units(uri, DataConfig())
+
+
+def test_missing_object_is_a_skipped_sample(s3):
+    import boto3
+
+    local, remote = s3
+    images = sorted(p for p in (local / "llava" / "images").rglob("*") if p.is_file())
+    gone = images[0].relative_to(local).as_posix()
+    boto3.client("s3").delete_object(Bucket=BUCKET, Key=f"sets/{gone}")
+    try:
+        there = _measured(f"{remote}/llava", "llava")
+    finally:
+        boto3.client("s3").upload_file(str(images[0]), BUCKET, f"sets/{gone}")
+    here = _measured(str(local / "llava"), "llava")
+    lost = [sid for sid, (_, _, r) in there.items() if r]
+    assert len(lost) == 1 and there[lost[0]][2] == S.SKIP_MISSING_FILE and here[lost[0]][2] == ""
+    assert {k: v for k, v in there.items() if k not in lost} == {k: v for k, v in here.items() if k not in lost}
+
+
+@pytest.mark.ray
+def test_ray_read_from_s3_equals_local(ray_cluster, s3):
+    from ray_mmbatch.readers import read_raw
+
+    local, remote = s3
+    ray_cluster.data.DataContext.get_current().execution_options.preserve_order = True
+    rows = read_raw(f"{remote}/webdataset", DataConfig(), override_num_blocks=3).take_all()
+    ids = [r[S.SAMPLE_ID] for r in rows]
+    assert ids == list(_measured(str(local / "webdataset"), "webdataset"))
+    assert all(r[S.READ_ERROR] == "" for r in rows) and sum(len(r[S.IMAGES]) for r in rows) > 10
+    assert np.all([isinstance(b, bytes) for r in rows for b in r[S.IMAGES]])
