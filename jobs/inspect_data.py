@@ -1,40 +1,12 @@
 #!/usr/bin/env python
-"""Data check before spending GPU time: read -> measure -> materialize every sample with
-Ray Data and print a JSON summary (counts, skip reasons with example ids, token / image
-token / patch percentiles, images per sample, throughput). Use the distributions to pick
-budgets: e.g. --max-tokens at least the p99 of `tokens`.
+"""`ray-mmbatch inspect` as a script, for `ray job submit --working-dir . -- python jobs/inspect_data.py ...`.
+
+The job runs in the uploaded copy of the repo, which Ray puts first on PYTHONPATH, so
+`ray_mmbatch` imports from it (installed or not). Flags and --help: ray_mmbatch/commands/inspect_data.py.
 """
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ray_mmbatch.cli import add_config_flags, config_from_args  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser, only=("data", "text", "image", "budget"))
-    parser.add_argument("--json", metavar="PATH", help="also write the summary here")
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-    if not cfg.data.path:
-        parser.error("--data is required")
-    from ray_mmbatch.pipeline import inspect_dataset
-    from ray_mmbatch.train.trainer import connect
-
-    connect()
-    summary = inspect_dataset(cfg)
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text)
-    return 0
-
+from ray_mmbatch.commands.inspect_data import main
 
 if __name__ == "__main__":
     sys.exit(main())

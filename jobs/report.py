@@ -1,42 +1,12 @@
-"""Write RUN_DIR/report.html and RUN_DIR/report.json from a training run's output dir.
+#!/usr/bin/env python
+"""`ray-mmbatch report` as a script, for `ray job submit --working-dir . -- python jobs/report.py ...`.
 
-    python jobs/report.py runs/demo            # -> runs/demo/report.html, runs/demo/report.json
-    python jobs/report.py runs/demo --out /tmp/r
-
-Needs plotly (``pip install 'ray_mmbatch[report]'``). Exits 1 with the reason on a
-missing or malformed run dir; prints warnings (budget exceeded, skip counts that
-disagree, truncated files) but still writes the report, since a report of a broken
-run is what you want most.
+The job runs in the uploaded copy of the repo, which Ray puts first on PYTHONPATH, so
+`ray_mmbatch` imports from it (installed or not). Flags and --help: ray_mmbatch/commands/report.py.
 """
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-from ray_mmbatch.report import REPORT_HTML, REPORT_JSON, make_report
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("run_dir", help="training output dir holding summary.json, metrics.jsonl, ...")
-    parser.add_argument("--out", default=None, help="write the report here instead of RUN_DIR")
-    args = parser.parse_args(argv)
-    try:
-        report = make_report(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError, ImportError) as e:
-        print(f"report: {e}", file=sys.stderr)
-        return 1
-    out = Path(args.out or args.run_dir)
-    for w in report["warnings"]:
-        print(f"warning: {w}", file=sys.stderr)
-    stats = report["batch_stats"]
-    print(f"{stats.get('n_batches', 0)} batches, fill {stats.get('fill_overall', 0):.3f}, "
-          f"{report['skipped']['total']} skipped")
-    print(out / REPORT_HTML)
-    print(out / REPORT_JSON)
-    return 0
-
+from ray_mmbatch.commands.report import main
 
 if __name__ == "__main__":
     sys.exit(main())

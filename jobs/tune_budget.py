@@ -1,59 +1,12 @@
 #!/usr/bin/env python
-"""Search batch budgets with Ray Tune for the highest real tokens/s under a memory limit.
+"""`ray-mmbatch tune` as a script, for `ray job submit --working-dir . -- python jobs/tune_budget.py ...`.
 
-Prints a results table and writes OUT/best.yaml, which `jobs/train.py --config OUT/best.yaml`
-takes as it is. Example:
-
-    python jobs/tune_budget.py --data DATA --max-tokens-grid 2048,4096,8192 --mode-grid pack,pad \\
-        --memory-limit-mb 6000 --out runs/tune
+The job runs in the uploaded copy of the repo, which Ray puts first on PYTHONPATH, so
+`ray_mmbatch` imports from it (installed or not). Flags and --help: ray_mmbatch/commands/tune_budget.py.
 """
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ray_mmbatch.cli import add_config_flags, config_from_args  # noqa: E402
-
-
-def _grid(text: str | None, cast):
-    return [cast(x) for x in text.split(",")] if text else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(p)
-    p.add_argument("--out", default="runs/tune", help="where trials, trials.json and best.yaml go")
-    p.add_argument("--max-tokens-grid", default="2048,4096,8192", help="comma list of budget.max_tokens")
-    p.add_argument("--mode-grid", default="pack", help="comma list of budget.mode (pack,pad)")
-    p.add_argument("--window-grid", default=None, help="comma list of budget.window")
-    p.add_argument("--max-patches-grid", default=None, help="comma list of budget.max_patches")
-    p.add_argument("--memory-limit-mb", type=float, default=8000.0,
-                   help="peak memory allowed (GPU memory on GPU, worker RSS on CPU)")
-    p.add_argument("--warmup-steps", type=int, default=2, help="steps not measured in each trial")
-    p.add_argument("--steps", type=int, default=4, help="measured steps per trial")
-    args = p.parse_args(argv)
-    cfg = config_from_args(args)
-    from jobs.train import ensure_demo_data  # noqa: E402  (same demo data as the train job)
-
-    ensure_demo_data(cfg)
-    space = {"budget.max_tokens": _grid(args.max_tokens_grid, int), "budget.mode": _grid(args.mode_grid, str)}
-    for key, text, cast in (("budget.window", args.window_grid, int), ("budget.max_patches", args.max_patches_grid, int)):
-        if text:
-            space[key] = _grid(text, cast)
-    from ray_mmbatch.tune import format_table, grid, tune_budgets
-
-    res = tune_budgets(cfg, grid(space), args.out, args.memory_limit_mb, args.warmup_steps, args.steps)
-    print(format_table(res["trials"]))
-    if res["best"] is None:
-        print("no feasible setting: raise --memory-limit-mb or lower the budgets", file=sys.stderr)
-        return 1
-    print("best:", json.dumps(res["best"]["setting"]), "->", Path(args.out) / "best.yaml")
-    return 0
-
+from ray_mmbatch.commands.tune_budget import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,58 +1,12 @@
 #!/usr/bin/env python
-"""Prove packing is exact for YOUR checkpoint before spending GPU hours.
+"""`ray-mmbatch verify-packing` as a script, for `ray job submit --working-dir . -- python jobs/verify_packing.py ...`.
 
-Runs packed (or padded) batches of DATA, and the same samples one at a time, through the
-model; prints the largest per-token loss difference as JSON and exits 1 above the tolerance
-(default 1e-4 nats in fp32, 0.05 in bf16), 2 when no batch could be made.
-
-    python jobs/verify_packing.py --model /ckpt/Qwen2-VL-2B-Instruct --data DATA --mode pack --batches 8
+The job runs in the uploaded copy of the repo, which Ray puts first on PYTHONPATH, so
+`ray_mmbatch` imports from it (installed or not). Flags and --help: ray_mmbatch/commands/verify_packing.py.
 """
-from __future__ import annotations
-
-import argparse
-import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from ray_mmbatch.cli import add_config_flags, config_from_args  # noqa: E402
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser)
-    parser.add_argument("--batches", type=int, default=4, help="batches to check (default: 4)")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="largest allowed per-token difference in nats (default: 1e-4 fp32, 0.05 bf16)")
-    parser.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device (default: cuda if any)")
-    args = parser.parse_args(argv)
-    cfg = config_from_args(args)
-
-    from ray_mmbatch import local_batches
-    from ray_mmbatch.models import configure, get_backend, token_ids
-    from ray_mmbatch.verify import verify
-
-    cfg = configure(cfg)
-    ids = token_ids(cfg)
-    model = get_backend(cfg).create_model(cfg, ids).to(args.device)
-    report = verify(model, local_batches(cfg, limit=args.batches), ids["pad_id"], args.device,
-                    cfg.train.precision if cfg.train.precision != "auto" else "fp32", args.tolerance)
-    report["model"] = cfg.model.path or "builtin (random init)"
-    print(json.dumps(report, indent=2))
-    if not report["batches"]:
-        return 2
-    return 0 if report["ok"] else 1
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
+from ray_mmbatch.commands.verify_packing import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,13 +1,17 @@
-"""Command-line flags shared by the jobs: each flag is a config field, and flags override --config.
+"""``ray-mmbatch train | inspect | prepare | tune | report | verify-packing``, and the flags they share.
 
-The help text of each flag is the docstring of the config field it sets, so
-``--help`` and ``config.py`` never disagree.
+Each subcommand is a module of ``ray_mmbatch/commands`` with ``main(argv, prog)``; the
+``jobs/*.py`` scripts call the same ``main`` (for ``ray job submit --working-dir .``).
+Each flag sets a config field and flags override --config; the help text of a flag is
+the docstring of the field it sets, so ``--help`` and ``config.py`` never disagree.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import inspect
+import sys
 from typing import Any
 
 from ray_mmbatch.config import Config, load_config
@@ -17,7 +21,7 @@ FLAGS: dict[str, str] = {
     "--data": "data.path", "--format": "data.format", "--image-root": "data.image_root",
     "--image-column": "data.image_column", "--text-column": "data.text_column", "--id-column": "data.id_column",
     "--data-resource": "data.data_resource", "--preprocess-workers": "data.preprocess_workers",
-    "--demo-samples": "data.demo_samples",
+    "--demo-samples": "data.demo_samples", "--max-skip-fraction": "data.max_skip_fraction",
     "--tokenizer": "text.tokenizer",
     "--mode": "budget.mode", "--max-tokens": "budget.max_tokens", "--max-patches": "budget.max_patches",
     "--max-images": "budget.max_images", "--max-samples": "budget.max_samples",
@@ -70,6 +74,12 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
                             default is not None else "VALUE", help=f"{doc} (default: {default!r})", **extra)
 
 
+def add_console_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="show Ray's own console output too (worker start-up, Ray Data plans, Train reports); "
+                             "Ray's log files under /tmp/ray/session_*/logs keep it either way")
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     for item in args.set:
@@ -77,3 +87,36 @@ def config_from_args(args: argparse.Namespace) -> Config:
         overrides[key.strip()] = value
     return load_config(args.config, overrides)
 
+
+
+# subcommand -> (module under ray_mmbatch.commands, one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "train on token-budget batches with Ray Train (no --data: a demo run)"),
+    "inspect": ("inspect_data", "read and measure a dataset: skip reasons, token / image percentiles"),
+    "prepare": ("prepare_data", "generate a synthetic image-text dataset (optionally with bad samples)"),
+    "tune": ("tune_budget", "search batch budgets with Ray Tune for the best tokens/s under a memory limit"),
+    "report": ("report", "write report.html / report.json for a training run's output dir"),
+    "verify-packing": ("verify_packing", "check that packed batches give each sample's own loss"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: ray-mmbatch COMMAND [flags]   (ray-mmbatch COMMAND --help for its flags)", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The ``ray-mmbatch`` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"ray-mmbatch: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"ray_mmbatch.commands.{COMMANDS[name][0]}")
+    rc = module.main(rest, prog=f"ray-mmbatch {name}")
+    return rc if isinstance(rc, int) else 0  # prepare returns its summary

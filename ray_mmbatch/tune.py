@@ -80,9 +80,27 @@ def run_trial(params: dict[str, Any]) -> None:
     tune.report(result)
 
 
+class _TrialLines(tune.Callback):
+    """One console line per finished trial (the quiet console's stand-in for Tune's status tables)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if "status" not in result:  # the per-step reports the Train callback forwards
+            return
+        self.done += 1
+        s = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in trial.config["setting"].items())
+        print(f"[tune] trial {self.done}/{self.total} {s}: {result.get('tokens_per_s', 0):,.0f} tok/s, "
+              f"peak {result.get('peak_mem_mb', 0):,.0f} MB, fill {result.get('fill', 0):.3f}, {result['status']}",
+              flush=True)
+
+
 def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, memory_limit_mb: float,
-                 warmup_steps: int = 2, steps: int = 4) -> dict[str, Any]:
-    """One trial per setting; return {"trials": [...], "best": trial or None, "best_config": Config}."""
+                 warmup_steps: int = 2, steps: int = 4, verbose: bool = True) -> dict[str, Any]:
+    """One trial per setting; return {"trials": [...], "best": trial or None, "best_config": Config}.
+
+    ``verbose=False``: one line per trial instead of Tune's status tables."""
     from ray_mmbatch.train.trainer import connect
 
     connect()
@@ -98,7 +116,9 @@ def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, mem
         param_space=param_space,
         # no metric here: the Train callback streams per-step reports; the best is picked from final results
         tune_config=tune.TuneConfig(max_concurrent_trials=1),
-        run_config=tune.RunConfig(name="tune", storage_path=str(out / "ray_storage")),
+        run_config=tune.RunConfig(name="tune", storage_path=str(out / "ray_storage"),
+                                  verbose=None if verbose else 0,
+                                  callbacks=None if verbose else [_TrialLines(len(settings))]),
     )
     grid = tuner.fit()
     trials = []

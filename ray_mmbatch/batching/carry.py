@@ -36,6 +36,7 @@ Planner speed with carry: ~1.0M (pack) / ~1.1M (pad) samples/s on one core.
 """
 from __future__ import annotations
 
+from itertools import chain
 from typing import Generic, Sequence, TypeVar
 
 import numpy as np
@@ -73,7 +74,7 @@ class CarryPlanner(Generic[T]):
         self.closed = False
         self._items: list[T] = []
         self._costs = np.zeros((3, 0), np.int64)  # tokens, patches, images of carried items
-        self._age: list[int] = []
+        self._age = np.zeros(0, np.int64)  # windows each carried item has waited
 
     @property
     def held(self) -> list[T]:
@@ -103,40 +104,55 @@ class CarryPlanner(Generic[T]):
     def _plan(self, new: list[T], new_costs: np.ndarray, cap: int, seed: int) -> list[list[T]]:
         items = self._items + new
         costs = np.concatenate([self._costs, new_costs], axis=1)
-        age = self._age + [0] * len(new)
-        t, p, m = costs
-        batches = ALGORITHMS[self.algorithm](t, p, m, self.budget) if len(items) else []
+        age = np.concatenate([self._age, np.zeros(len(new), np.int64)])
+        batches = ALGORITHMS[self.algorithm](*costs, self.budget) if len(items) else []
         hold: list[int] = []
-        if cap > 0:
-            quality = [self._quality(t[b], p[b], m[b]) for b in batches]
-            waste = [self._waste(t[b]) for b in batches]
-            for k in sorted(range(len(batches)), key=lambda k: (-waste[k], k)):
+        held: set[int] = set()
+        if cap > 0 and batches:
+            quality, waste, oldest = self._scores(batches, costs, age)
+            # worst first by wasted tokens per sample; only batches under THRESHOLD are candidates
+            for k in sorted(np.flatnonzero(quality < THRESHOLD).tolist(), key=lambda k: (-waste[k], k)):
                 b = batches[k]
-                if quality[k] >= THRESHOLD or len(hold) + len(b) > cap:
-                    continue
-                if any(age[i] >= self.max_age for i in b):
+                if len(hold) + len(b) > cap or oldest[k] >= self.max_age:
                     continue
                 hold.extend(b)
-        held = set(hold)
-        out = [b for b in batches if not held.intersection(b)]
+                held.add(k)
+        out = [b for k, b in enumerate(batches) if k not in held] if held else batches
         hold.sort()
         self._items = [items[i] for i in hold]
         self._costs = costs[:, hold] if hold else np.zeros((3, 0), np.int64)
-        self._age = [age[i] + 1 for i in hold]
+        self._age = age[hold] + 1 if hold else np.zeros(0, np.int64)
         perm = np.random.default_rng(seed).permutation(len(out)).tolist()
         return [[items[i] for i in out[k]] for k in perm]
 
-    def _quality(self, t: np.ndarray, p: np.ndarray, m: np.ndarray) -> float:
-        b = self.budget
-        if b.mode == "pad":
-            return float(t.sum()) / (len(t) * int(t.max())) if t.max() > 0 else 1.0
-        use = [b.token_cost(int(t.sum()), int((t * t).sum()), len(t), int(t.max())) / b.max_tokens]
-        for total, limit in ((p.sum(), b.max_patches), (m.sum(), b.max_images), (len(t), b.max_samples)):
-            if limit is not None:
-                use.append(total / limit)
-        return float(max(use))
+    def _scores(self, batches: list[list[int]], costs: np.ndarray, age: np.ndarray):
+        """Per batch, vectorized: quality (see module docstring), wasted tokens per sample, oldest age.
 
-    def _waste(self, t: np.ndarray) -> float:
-        """Tokens of compute wasted per sample of the batch (what holding it back could save)."""
-        occupied = len(t) * int(t.max()) if self.budget.mode == "pad" else self.budget.max_tokens
-        return (occupied - float(t.sum())) / len(t)
+        Quality: pack = the largest fraction of any limit used; pad = real / (rows x longest).
+        Waste: (tokens occupied - real tokens) / rows, occupied = max_tokens (pack) or rows x longest.
+        """
+        b = self.budget
+        lens = np.fromiter(map(len, batches), np.int64, len(batches))
+        flat = np.fromiter(chain.from_iterable(batches), np.int64, int(lens.sum()))
+        starts = np.zeros(len(lens), np.int64)
+        np.cumsum(lens[:-1], out=starts[1:])
+        t = costs[0, flat]
+        tsum = np.add.reduceat(t, starts).astype(np.float64)
+        longest = np.maximum.reduceat(t, starts).astype(np.float64)
+        oldest = np.maximum.reduceat(age[flat], starts)
+        if b.mode == "pad":
+            occupied = lens * longest
+            quality = np.divide(tsum, occupied, out=np.ones(len(lens)), where=occupied > 0)
+        else:
+            occupied = np.full(len(lens), float(b.max_tokens))
+            tcost = tsum
+            if b.attn_weight:
+                tf = t.astype(np.float64)
+                tcost = tsum + b.attn_weight * np.add.reduceat(tf * tf, starts)
+            quality = tcost / b.max_tokens
+            for row, limit in ((1, b.max_patches), (2, b.max_images)):
+                if limit is not None:
+                    quality = np.maximum(quality, np.add.reduceat(costs[row, flat], starts) / limit)
+            if b.max_samples is not None:
+                quality = np.maximum(quality, lens / b.max_samples)
+        return quality, (occupied - tsum) / lens, oldest

@@ -9,7 +9,9 @@ gaps, which is why BFD lands on or next to the lower bound ceil(sum / max_tokens
 Remaining rooms live in one sorted Python list, so "tightest fit" is a bisect
 and the per-sample work is a few list operations on ~n/avg-batch entries.
 In pad mode the same loop runs with rooms counted in rows (see below).
-Cost: O(n log n) sort + O(n * (log b + b_memmove)); ~0.5 us per sample.
+Cost: O(n log n) sort + O(n * (log b + b_memmove)); ~0.5 us per sample. With a patch,
+image or count budget, a batch that lacks room on those costs one vectorized pass over the
+open batches (_SideRooms) rather than a check per batch.
 Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
 16384 tokens): fill 99.43% at window 2048 with 3202 batches where the sum of
 per-window lower bounds is 3201 (so at most 99.46% is possible there; carry
@@ -37,30 +39,24 @@ def pack_best_fit_decreasing(tokens: np.ndarray, patches: np.ndarray, images: np
         # Pad: the first (longest) row of a batch fixes its row cap; later rows are
         # never longer, so the room is counted in rows and every row costs 1.
         size_l, caps = [1] * len(order_l), budget.pad_rows_cap(tokens).tolist()
-    checks = _side_checks(patches, images, budget)
+    side = _SideRooms(patches, images, budget, len(order_l))
     rooms: list = []      # remaining token room of the open batches, ascending
     room_bin: list = []   # batch id aligned with rooms
     bins: list[list[int]] = []
-    side: list[list[int]] = []  # per batch [patches, images, count]
     for s, idx in zip(size_l, order_l):
         k = bisect_left(rooms, s)
-        if checks is not None:
-            while k < len(rooms) and not checks(side[room_bin[k]], idx):
-                k += 1
+        if side.on:
+            k = side.tightest(rooms, room_bin, k, s, idx)
         if k == len(rooms):
             b = len(bins)
             bins.append([idx])
-            side.append([0, 0, 0])
             room = (cap if caps is None else caps[idx]) - s
         else:
             room = rooms.pop(k) - s
             b = room_bin.pop(k)
             bins[b].append(idx)
-        if checks is not None:
-            sb = side[b]
-            sb[0] += int(patches[idx]); sb[1] += int(images[idx]); sb[2] += 1
-            if budget.max_samples is not None and sb[2] >= budget.max_samples:
-                continue  # full by count: never offered again
+        if side.on and not side.add(b, idx, room):
+            continue  # full by count: never offered again
         pos = bisect_left(rooms, room)
         rooms.insert(pos, room)
         room_bin.insert(pos, b)
@@ -69,18 +65,67 @@ def pack_best_fit_decreasing(tokens: np.ndarray, patches: np.ndarray, images: np
     return bins
 
 
-def _side_checks(patches, images, budget: Budget):
-    """Closure testing the non-token limits of batch ``state`` plus sample ``idx``."""
-    mp, mi, ms = budget.max_patches, budget.max_images, budget.max_samples
-    if mp is None and mi is None and ms is None:
-        return None
-    p = np.asarray(patches, dtype=np.int64).tolist()
-    m = np.asarray(images, dtype=np.int64).tolist()
-    mp = float("inf") if mp is None else mp
-    mi = float("inf") if mi is None else mi
-    ms = float("inf") if ms is None else ms
+_SCAN = 32  # batches tested one by one before the vectorized search
 
-    def fits(state, idx):
-        return state[0] + p[idx] <= mp and state[1] + m[idx] <= mi and state[2] + 1 <= ms
 
-    return fits
+class _SideRooms:
+    """Patch / image / sample-count rooms of the open batches, for the multi-budget case.
+
+    The tightest token fit is one bisect; only when that batch lacks patch, image or count
+    room does ``tightest`` look further: the next _SCAN batches one by one, then with numpy over every open batch
+    (token, patch, image room arrays by batch id) instead of testing batches one by one:
+    the smallest token room that passes every check, then its first batch in list order, so
+    the plan is exactly the one-by-one scan's. Cost: O(open batches) vectorized per miss.
+    """
+
+    def __init__(self, patches, images, budget: Budget, n: int):
+        mp, mi, ms = budget.max_patches, budget.max_images, budget.max_samples
+        self.on = not (mp is None and mi is None and ms is None)
+        if not self.on:
+            return
+        self.p = np.asarray(patches, dtype=np.int64).tolist()
+        self.m = np.asarray(images, dtype=np.int64).tolist()
+        big = np.iinfo(np.int64).max // 4
+        self.limits = [big if v is None else int(v) for v in (mp, mi, ms)]
+        self.token = np.full(n, -np.inf)  # token room by batch id; -inf: closed / not open
+        self.patch_room, self.image_room = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self.pl, self.ml, self.cl = [], [], []   # the same as Python lists (fast scalar checks)
+
+    def fits(self, b: int, idx: int) -> bool:
+        return self.pl[b] >= self.p[idx] and self.ml[b] >= self.m[idx] and self.cl[b] >= 1
+
+    def add(self, b: int, idx: int, token_room) -> bool:
+        """Account sample ``idx`` in batch ``b``; False when the batch is full by count."""
+        if b == len(self.pl):
+            self.pl.append(self.limits[0]); self.ml.append(self.limits[1]); self.cl.append(self.limits[2])
+        self.pl[b] -= self.p[idx]; self.ml[b] -= self.m[idx]; self.cl[b] -= 1
+        self.patch_room[b] = self.pl[b]
+        self.image_room[b] = self.ml[b]
+        if self.cl[b] < 1:
+            self.token[b] = -np.inf
+            return False
+        self.token[b] = token_room
+        return True
+
+    def tightest(self, rooms: list, room_bin: list, k: int, s, idx: int) -> int:
+        """Index into ``rooms`` (from ``k``, the tightest token fit) of the first batch in list
+        order with room for ``idx`` on every budget; len(rooms) if none."""
+        pi, mi, pl, ml = self.p[idx], self.m[idx], self.pl, self.ml
+        end = len(rooms)
+        stop = min(k + _SCAN, end)
+        for j in range(k, stop):  # a few one by one first: usually enough
+            b = room_bin[j]
+            if pl[b] >= pi and ml[b] >= mi:  # batches in ``rooms`` all have count room
+                return j
+        if stop == end:
+            return end
+        nb = len(self.pl)
+        t = self.token[:nb]
+        ok = (t >= s) & (self.patch_room[:nb] >= self.p[idx]) & (self.image_room[:nb] >= self.m[idx])
+        if not ok.any():
+            return len(rooms)
+        best = t[ok].min()
+        k = bisect_left(rooms, best)
+        while not self.fits(room_bin[k], idx):  # equal rooms: the first that fits, as a scan would
+            k += 1
+        return k

@@ -150,17 +150,20 @@ class Runner:
         zero-target steps) before any rank opens epoch e+1, whose split waits for all."""
         tcfg = self.cfg.train
         last_report = time.perf_counter()
+        self.aborted, guard = "", [0, 0]  # samples seen / skipped in this run, for the skip guard
         for epoch, shard in enumerate(self.shards):
             rows = self._rows(shard)
-            while not self._at_max_steps():
+            while not self._at_max_steps() and not self.aborted:
                 t0 = time.perf_counter()
                 micro, skipped = self._take(rows, epoch)
                 t_data = time.perf_counter() - t0
                 trained = sum(len(b["sample_ids"]) for b in micro)
-                any_data, seen = all_reduce([float(bool(micro)), float(trained + skipped)], self.device)
+                any_data, seen, skips = all_reduce([float(bool(micro)), float(trained + skipped), float(skipped)],
+                                                   self.device)
                 self.samples_seen += int(seen)
                 self._set_progress()
-                if not any_data:
+                guard[0], guard[1] = guard[0] + int(seen), guard[1] + int(skips)
+                if not any_data or self._guard(guard, at_end=False):
                     break
                 if micro:
                     self.last_batch = micro[-1]
@@ -174,7 +177,19 @@ class Runner:
                 if (ck or self.step % tcfg.report_every == 0) and not self._at_max_steps():  # the end reports below
                     self.report(time.perf_counter() - last_report, checkpoint=ck)
                     last_report = time.perf_counter()
-        self.report(time.perf_counter() - last_report, checkpoint=True, final=True)
+        if not self.aborted and not self._at_max_steps():
+            self._guard(guard, at_end=True)  # a dataset smaller than the guard's minimum is judged whole
+        # a stopped run leaves no checkpoint: rerun with the fix, its skipped rows must be read again
+        self.report(time.perf_counter() - last_report, checkpoint=not self.aborted, final=True)
+
+    def _guard(self, guard: list[int], at_end: bool) -> bool:
+        """Stop (all ranks agree: the counts are all-reduced) when too many samples are skipped;
+        the driver explains it from skipped.csv (guards.py)."""
+        from ray_mmbatch.guards import skip_fraction_exceeded
+
+        if skip_fraction_exceeded(guard[0], guard[1], self.cfg.data.max_skip_fraction, at_end=at_end):
+            self.aborted = f"{guard[1]} of {guard[0]} samples skipped"
+        return bool(self.aborted)
 
     def _set_progress(self) -> None:
         if self.progress is not None and self.planned_samples > 0:
@@ -240,6 +255,8 @@ class Runner:
             "data_wait_frac": g["data_s"] / max(g["step_s"], 1e-9),
             "peak_mem_mb": all_reduce([_peak_mem_mb(self.device)], self.device, op="max")[0],
             "initial_loss": self.initial_loss, "final": final,
+            "progress": self.samples_seen / self.planned_samples if self.planned_samples else None,
+            "aborted": getattr(self, "aborted", ""),
             **{f"total_{k}": v for k, v in t.items()},
         }
         if g["steps"]:

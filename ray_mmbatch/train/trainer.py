@@ -80,6 +80,9 @@ def connect(num_cpus: int | None = None) -> None:
         ray.init("local", num_cpus=max(num_cpus or 0, os.cpu_count() or 2, 8), include_dashboard=False, **kw)
     # progress bars only for a person at a terminal; logs stay readable
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
+    from ray_mmbatch.console import after_connect
+
+    after_connect()  # a command's quiet console: Ray's internal lines off (console.py)
 
 
 def tokenizer_ids(cfg: Config) -> dict[str, int]:
@@ -203,8 +206,24 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "config": cfg.to_dict(),
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
     }
+    if m.get("aborted"):
+        summary["stopped"] = _explain_stop(cfg, out, m)
     (out / S.RUN_SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+    if m.get("aborted"):
+        from ray_mmbatch.guards import TooManySkipped
+
+        raise TooManySkipped(summary["stopped"])
     return summary
+
+
+def _explain_stop(cfg: Config, out: Path, m: dict[str, Any]) -> str:
+    """The skip guard stopped the run (train/loop.py): its reasons, from the merged skipped.csv."""
+    from ray_mmbatch.guards import explain_skips
+
+    with open(out / S.RUN_SKIPPED, newline="") as f:
+        records = [(r["sample_id"], f"{r['reason']}: {r['detail']}") for r in csv.DictReader(f)]
+    seen = int(str(m["aborted"]).split(" of ")[-1].split()[0]) if " of " in str(m["aborted"]) else len(records)
+    return explain_skips(records, seen, cfg.data.max_skip_fraction, cfg.data)
 
 
 def _final_loss(out: Path) -> float | None:

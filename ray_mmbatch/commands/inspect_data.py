@@ -1,0 +1,54 @@
+"""Data check before spending GPU time: read -> measure -> materialize every sample with
+Ray Data and print a JSON summary (counts, skip reasons with example ids, token / image
+token / patch percentiles, images per sample, throughput). Use the distributions to pick
+budgets: e.g. --max-tokens at least the p99 of `tokens`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ray_mmbatch.cli import add_config_flags, add_console_flags, config_from_args
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_flags(parser, only=("data", "text", "image", "budget"))
+    parser.add_argument("--json", metavar="PATH", help="also write the summary here")
+    add_console_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    if not cfg.data.path:
+        parser.error("--data is required")
+    from ray_mmbatch import console
+    from ray_mmbatch.preflight import PreflightError, preflight
+
+    console.quiet_ray(args.verbose)
+    try:  # the data settings only: a dataset that is mostly skipped is what inspect is for
+        cfg.data.max_skip_fraction = 1.0
+        preflight(cfg)
+    except PreflightError as e:
+        print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from ray_mmbatch.pipeline import inspect_dataset
+    from ray_mmbatch.train.trainer import connect
+
+    connect()
+    summary = inspect_dataset(cfg)
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""What a person sees on the console: Ray's internal noise off, one progress line per report.
+
+``quiet_ray(verbose)`` (before and after ``ray.init``) keeps Ray's bookkeeping off the
+driver's console while Ray's log files under ``/tmp/ray/session_*/logs`` keep everything:
+
+- worker / actor lines forwarded to the driver (``log_to_driver``) pass a deny-list of
+  Ray-internal chatter (placement-group cleaner polling, ``core_worker.cc`` notes about
+  constructor arguments, Train's ``TrainingReport`` dumps, worker-group start-up, Ray
+  Data execution plans, Ray's own deprecation warnings); anything not on the list, a
+  user warning, an error or a traceback, still shows;
+- the driver's ``ray`` loggers show WARNING and up (Ray Data's file log keeps DEBUG);
+- Ray's deprecation warnings raised in the driver are ignored.
+
+``--verbose`` (``quiet_ray(True)``) changes nothing: Ray prints as it always does.
+
+``Progress`` prints one line per training report from ``OUTPUT_DIR/metrics.jsonl`` (which
+rank 0 appends at each report), or redraws one line when stdout is a terminal.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+# Lines (of forwarded worker output) that are Ray's internal bookkeeping, not the user's run.
+NOISE = re.compile("|".join((
+    r"has constructor arguments in the object store",        # core_worker.cc, every actor pool
+    r"Reporting training result \d+: ",                       # Train V2 dumps every report
+    r"Checkpoint successfully created at",
+    r"Requesting resources: ", r"Attempting to start training worker group", r"Started training worker group",
+    r"^- \(ip=[^)]*\) world_rank=", r"Setting up process group for", r"Moving model to device",
+    r"Starting execution of Dataset", r"Execution plan of Dataset", r"Dataset .* execution finished in",
+    r"Progress bars disabled", r"Registered dataset logger", r"Full logs are in .*ray-data",
+    r"falling back to serialize as pickled python objects",   # an image column of structs, read as objects
+    r"Failed to query Ray Train Controller actor state",
+    r"Token authentication is enabled for this Ray cluster",
+)))
+# Python warnings of these categories come with a message line or two and the source line
+WARNING_HEADER = re.compile(r"\.py:\d+: (Ray)?DeprecationWarning: ")
+NOISY_ACTORS = ("PlacementGroupCleaner",)
+
+_state: dict[str, Any] = {"verbose": True, "own_progress": False}
+
+
+def is_noise(line: str) -> bool:
+    return bool(NOISE.search(line))
+
+
+def filter_lines(lines: list[str]) -> list[str]:
+    """Drop Ray's internal lines; a deprecation warning goes with the lines that continue it
+    (its message and the indented source line, at most three)."""
+    out: list[str] = []
+    skip_continuation = 0
+    for line in lines:
+        if skip_continuation:
+            skip_continuation -= 1
+            if line.startswith("  "):   # the source line ends a Python warning
+                skip_continuation = 0
+            continue
+        if WARNING_HEADER.search(line):
+            skip_continuation = 3
+            continue
+        if not is_noise(line):
+            out.append(line)
+    return out
+
+
+def _wrap_handler(handler: Callable[[dict], None]) -> Callable[[dict], None]:
+    def filtered(data: dict) -> None:
+        if data.get("actor_name") in NOISY_ACTORS or any(a in str(data.get("actor_name", "")) for a in NOISY_ACTORS):
+            return
+        lines = filter_lines(list(data.get("lines", [])))
+        if lines:
+            handler({**data, "lines": lines})
+    return filtered
+
+
+def quiet_ray(verbose: bool = False, own_progress: bool = False) -> None:
+    """Turn Ray's console noise off in this (driver) process (``after_connect`` again after ``ray.init``).
+
+    ``own_progress``: this command prints its own progress line, so Ray Data's bars stay off.
+    """
+    _state["verbose"], _state["own_progress"] = verbose, own_progress
+    if verbose:
+        return
+    os.environ.setdefault("RAY_MMBATCH_QUIET", "1")
+    try:
+        from ray.util.annotations import RayDeprecationWarning
+
+        warnings.filterwarnings("ignore", category=RayDeprecationWarning)
+    except ImportError:
+        pass
+    for name in ("ray", "ray.train", "ray.tune", "ray.air"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Ray Data logs DEBUG to its file and INFO to the console: raise the console's bar only
+    for h in logging.getLogger("ray.data").handlers:
+        if not isinstance(h, logging.FileHandler) and type(h).__name__ != "SessionFileHandler":
+            h.setLevel(logging.WARNING)
+    try:  # private API: the driver's handler of forwarded worker output
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+
+        with dispatcher._lock:
+            dispatcher.handlers = [(n, h if getattr(h, "_rmb_filtered", False) else _mark(_wrap_handler(h)))
+                                   for n, h in dispatcher.handlers]
+    except Exception:  # moved in another Ray version: Ray prints as usual
+        pass
+
+
+def after_connect() -> None:
+    """Called by ``train.trainer.connect`` after ``ray.init``: filter the forwarded worker output
+    it just set up. Nothing changes unless a command asked for quiet (library use is untouched)."""
+    if _state["verbose"]:
+        return
+    quiet_ray(False, _state["own_progress"])
+    if _state["own_progress"]:
+        import ray
+
+        ray.data.DataContext.get_current().enable_progress_bars = False
+
+
+def _mark(fn):
+    fn._rmb_filtered = True
+    return fn
+
+
+def is_verbose() -> bool:
+    return bool(_state["verbose"])
+
+
+# -- progress -------------------------------------------------------------------------
+
+def _fmt_time(s: float | None) -> str:
+    if s is None or s != s or s < 0:
+        return "--:--"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
+
+
+def _fmt_num(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+def done_share(m: dict[str, Any], max_steps: int) -> float | None:
+    """How much of the run a report says is done: steps over max_steps, else the share of the data."""
+    if max_steps:
+        return min(1.0, int(m.get("step", 0)) / max_steps)
+    share = m.get("progress")
+    return None if share is None else min(1.0, float(share))
+
+
+def progress_line(m: dict[str, Any], max_steps: int, elapsed: float, eta: float | None = None) -> str:
+    """One report as a line: step/total (or share of the data), loss, lr, tokens/s, fill, data wait, memory, time.
+
+    ``eta``: seconds left (default: the elapsed time scaled by the share done)."""
+    step = int(m.get("step", 0))
+    done = done_share(m, max_steps)
+    if max_steps:
+        where = f"step {step:>{len(str(max_steps))}}/{max_steps}"
+    else:
+        where = f"step {step}" + (f" ({100 * done:4.1f}% of data)" if done is not None else "")
+    if eta is None and done:
+        eta = elapsed * (1 - done) / done
+    mem = float(m.get("peak_mem_mb", 0.0))
+    mem_s = f"{mem / 1024:.1f} GB" if mem >= 1024 else f"{mem:.0f} MB"
+    return (f"{where}  loss {float(m.get('loss', float('nan'))):.3f}  lr {float(m.get('lr', 0.0)):.2e}  "
+            f"{_fmt_num(float(m.get('tokens_per_s', 0.0)))} tok/s  fill {100 * float(m.get('fill', 0.0)):.1f}%  "
+            f"data wait {100 * min(1.0, float(m.get('data_wait_frac', 0.0))):.0f}%  mem {mem_s}  "
+            f"{_fmt_time(elapsed)} elapsed, eta {_fmt_time(eta)}")
+
+
+class Progress:
+    """Follow OUTPUT_DIR/metrics.jsonl in a thread and print each new report.
+
+    A file (not the forwarded worker output) so the driver sees the reports whatever the
+    log settings; on a terminal the line is redrawn in place, elsewhere one line each.
+    """
+
+    def __init__(self, metrics_path: str | Path, max_steps: int, stream=None, interval: float = 0.5):
+        self.path, self.max_steps = Path(metrics_path), int(max_steps)
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval, self.t0 = interval, time.time()
+        self._offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's old lines
+        self._first: tuple[float, float] | None = None  # (time, share done) at the first report: start-up excluded
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ray_mmbatch_progress", daemon=True)
+        self.printed = 0
+
+    def __enter__(self) -> "Progress":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()
+        if self.tty and self.printed:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.poll()
+            except Exception:  # a half-written line: read it next time
+                pass
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        size = self.path.stat().st_size
+        if size < self._offset:  # trimmed back on a restore
+            self._offset = 0
+        if size == self._offset:
+            return
+        with open(self.path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete, _, _ = chunk.rpartition("\n")
+        if not complete:
+            return
+        self._offset += len(complete.encode()) + 1
+        for raw in complete.splitlines():
+            try:
+                m = json.loads(raw)
+            except ValueError:
+                continue
+            now, done = time.time(), done_share(m, self.max_steps)
+            eta = None
+            if done is not None:
+                if self._first is None:
+                    self._first = (now, done)
+                elif done > self._first[1]:
+                    eta = (now - self._first[0]) * (1 - done) / (done - self._first[1])
+            self.show(progress_line(m, self.max_steps, now - self.t0, eta))
+
+    def show(self, line: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self.printed += 1
+
+
+def summary_table(summary: dict[str, Any], out_dir: str | Path) -> str:
+    """The end of a run: a few figures and where its files are."""
+    out = Path(out_dir)
+    skipped = summary.get("skipped") or {}
+    top = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1])[:4])
+    rows = [
+        ("steps", f"{summary.get('steps', 0)}"),
+        ("samples", f"{summary.get('samples', 0):,} trained, {summary.get('skipped_total', 0):,} skipped"
+                    + (f" ({top})" if top else "")),
+        ("loss", f"{_f(summary.get('initial_loss'))} -> {_f(summary.get('final_loss'))}"),
+        ("tokens", f"{summary.get('real_tokens', 0):,} real, fill {100 * float(summary.get('fill') or 0):.1f}%"),
+        ("speed", f"{float(summary.get('tokens_per_s') or 0):,.0f} real tokens/s"),
+        ("wall", _fmt_time(summary.get("wall_s"))),
+        ("summary", str(out / "summary.json")),
+        ("skip report", str(out / "skipped.csv")),
+        ("metrics", str(out / "metrics.jsonl")),
+    ]
+    if summary.get("checkpoint"):
+        rows.append(("checkpoint", str(summary["checkpoint"])))
+    if (out / "model").exists():
+        rows.append(("model", str(out / "model")))
+    rows.append(("report", f"ray-mmbatch report {out}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _f(x: Any) -> str:
+    return "n/a" if x is None else f"{float(x):.3f}"

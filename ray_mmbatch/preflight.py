@@ -1,0 +1,84 @@
+"""Pre-flight check on the driver, before any cluster work: each failure is one clear line.
+
+In order, each step only when the one before passed:
+
+1. the data path resolves and its format is what it looks like (``readers.resolve_files``),
+2. the first read unit reads (a Parquet file opens, the LLaVA JSON parses, a tar lists),
+3. the first ``PREFLIGHT_SAMPLES`` samples measure: their images exist and their headers
+   read; when more than ``data.max_skip_fraction`` of them are skipped the run stops here
+   with the top reasons and the likely fix (``guards.explain_skips``),
+4. the tokenizer and the model settings load (``models.configure`` reads a checkpoint's
+   config.json / processor files; ``models.token_ids`` loads the tokenizer).
+
+Runs in-process without Ray (the same stage objects as the pipeline, see ``local.py``);
+it reads one read unit and image headers only, a second or two.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import Config
+from ray_mmbatch.guards import explain_skips, skip_fraction_exceeded
+
+PREFLIGHT_SAMPLES = 64
+
+
+class PreflightError(RuntimeError):
+    """One failed check; str() is the line to print."""
+
+
+def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
+    """Check the run's data, tokenizer and model before any cluster work; raise PreflightError.
+
+    Returns what it saw: {"format", "files", "samples_checked", "skipped"}.
+    """
+    from ray_mmbatch.readers import resolve_files
+
+    d = cfg.data
+    if not d.path:
+        raise PreflightError("data: no --data given")
+    try:
+        fmt, files = resolve_files(d.path, d.format)
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"data: {e}") from None
+    if fmt == "llava" and d.image_root and not os.path.isdir(d.image_root):
+        raise PreflightError(f"data: --image-root {d.image_root!r} is not a folder")
+
+    try:
+        cfg = _configured(cfg)
+    except Exception as e:  # a checkpoint dir that is not one, a tokenizer that does not load
+        what = f"model {cfg.model.path!r}" if cfg.model.path else f"tokenizer {cfg.text.tokenizer or '(built-in)'!r}"
+        raise PreflightError(f"model: {what} does not load: {_one_line(e)}") from None
+
+    rows = _first_rows(cfg, samples, fmt)
+    reasons = [(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows if r[S.SKIP_REASON]]
+    seen = len(rows)
+    at_end = seen < samples  # the whole (small) dataset was read
+    if skip_fraction_exceeded(seen, len(reasons), d.max_skip_fraction, at_end=at_end):
+        raise PreflightError(explain_skips(reasons, seen, d.max_skip_fraction, d, where=" checked before the run"))
+    return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons)}
+
+
+def _configured(cfg: Config) -> Config:
+    from ray_mmbatch.models import configure, token_ids
+
+    cfg = configure(copy.deepcopy(cfg))
+    token_ids(cfg)
+    return cfg
+
+
+def _first_rows(cfg: Config, n: int, fmt: str) -> list[dict]:
+    from ray_mmbatch.local import _measured_rows
+
+    try:
+        return [r for r in itertools.islice(_measured_rows(cfg, end_marker=False), n)]
+    except Exception as e:
+        raise PreflightError(f"data: {cfg.data.path} does not read as {fmt}: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
