@@ -429,19 +429,23 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
     ok = np.array([not r for r in reasons], dtype=bool)
     skipped: dict[str, int] = {}
     examples: dict[str, list[str]] = {}
+    files: dict[str, str] = {}  # read units that could not be read: one row each, id = the file (formats/)
     for sid, r in zip(cols.get(S.SAMPLE_ID, []), reasons):
         if r:
             key = _reason_key(r)
             skipped[key] = skipped.get(key, 0) + 1
+            if key == S.SKIP_UNREADABLE_FILE:
+                files[str(sid)] = str(r)
             if len(examples.setdefault(key, [])) < 5:
                 examples[key].append(sid)
     arr = {k: np.asarray(cols.get(k, []), dtype=np.int64)[ok] for k in
            (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES)}
     nbytes = float(np.sum(cols.get("image_bytes", [0])))
-    n = len(reasons)
+    n = len(reasons) - len(files)
     return {
         "samples_read": n, "samples_ok": int(ok.sum()), "samples_skipped": int(n - ok.sum()),
         "skipped": skipped, "skipped_examples": examples,
+        "skipped_files": len(files), "skipped_file_reasons": dict(list(files.items())[:20]),
         "length_mismatch": int(np.sum(cols.get("length_mismatch", [0]))),
         "tokens": _percentiles(arr[S.TOKENS]), "text_tokens": _percentiles(arr[S.TEXT_TOKENS]),
         "image_tokens": _percentiles(arr[S.IMAGE_TOKENS]), "patches": _percentiles(arr[S.PATCHES]),

@@ -108,3 +108,132 @@ def test_llava_repeated_ids_are_samples_of_their_own_with_one_warning(tmp_path, 
     trained, skipped = trained_and_skipped(tmp_path)
     assert sorted(trained) == sorted(got) and not skipped
     assert count_samples(str(tmp_path), DataConfig()) == 6
+
+
+# ------------------------------------------------------------------ one bad file never stops the run
+class _Deadline:
+    """Fail (instead of hanging the suite) if the block takes longer than ``s`` seconds (a FIFO opened)."""
+
+    def __init__(self, s: int):
+        self.s = s
+
+    def __enter__(self):
+        import signal
+
+        def boom(*_):
+            raise TimeoutError("reading hung (a FIFO was opened?)")
+        self.old = signal.signal(signal.SIGALRM, boom)
+        signal.alarm(self.s)
+
+    def __exit__(self, *exc):
+        import signal
+
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, self.old)
+
+
+def _file_skips(rows) -> dict[str, str]:
+    return {r[S.SAMPLE_ID]: r[S.READ_ERROR] for r in rows if r[S.READ_ERROR].startswith(S.SKIP_UNREADABLE_FILE)}
+
+
+def _parquet_with_bad_files(tmp_path: Path) -> list[str]:
+    """a-good.parquet (6 rows) + one file of each bad kind (their names returned) + hidden files."""
+    import os
+
+    good = conversations_table(6, [f"g{i}" for i in range(6)])
+    pq.write_table(good, tmp_path / "a-good.parquet", row_group_size=4)
+    (tmp_path / "b-corrupt.parquet").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, np.uint8).tobytes())
+    (tmp_path / "c-notparquet.parquet").write_text("id,text\n1,hello\n")
+    blob = io.BytesIO()
+    pq.write_table(good, blob)
+    (tmp_path / "d-truncated.parquet").write_bytes(blob.getvalue()[:-100])
+    pq.write_table(pa.table({"id": ["i0"], "images": pa.array([7]), "conversations": pa.array([CONV])}),
+                   tmp_path / "e-int-images.parquet")
+    pq.write_table(pa.table({"key": ["c0"], "image": pa.array([{"bytes": png(), "path": "c.png"}], IMAGE_STRUCT),
+                             "text": ["a caption"]}), tmp_path / "f-caption-style.parquet")
+    os.mkfifo(tmp_path / "g-fifo.parquet")
+    os.symlink(tmp_path / "gone.parquet", tmp_path / "h-dangling.parquet")
+    (tmp_path / "._a-good.parquet").write_bytes(b"\x00\x05\x16\x07AppleDouble")  # macOS: hidden, not data
+    (tmp_path / ".cache").mkdir()
+    pq.write_table(good, tmp_path / ".cache" / "copy.parquet")
+    return ["b-corrupt.parquet", "c-notparquet.parquet", "d-truncated.parquet", "e-int-images.parquet",
+            "f-caption-style.parquet", "g-fifo.parquet", "h-dangling.parquet"]
+
+
+def test_parquet_bad_files_are_reported_and_the_rest_trains(tmp_path):
+    bad = _parquet_with_bad_files(tmp_path)
+    with _Deadline(60):
+        rows = raw_rows(tmp_path)
+        trained, skipped = trained_and_skipped(tmp_path)
+    files = _file_skips(rows)
+    assert sorted(files) == bad  # reported by path, each once; hidden files are not data
+    assert "image column 'images' is int64" in files["e-int-images.parquet"]
+    assert "no text column 'conversations'" in files["f-caption-style.parquet"]
+    assert "not a regular file" in files["g-fifo.parquet"] and "not a regular file" in files["h-dangling.parquet"]
+    assert [r[S.SAMPLE_ID] for r in rows if r[S.SAMPLE_ID] not in files] == \
+        [f"a-good.parquet:{i}#g{i}" for i in range(6)]
+    assert sorted(trained) == [f"a-good.parquet:{i}#g{i}" for i in range(6)]
+    assert {k: v.split(":")[0] for k, v in skipped.items()} == {f: S.SKIP_UNREADABLE_FILE for f in bad}
+    assert count_samples(str(tmp_path), DataConfig()) == len(rows) == 6 + len(bad)
+
+
+def test_no_file_with_the_text_column_fails_at_start(tmp_path):
+    pq.write_table(pa.table({"key": ["c0"], "text": ["a caption"]}), tmp_path / "x.parquet")
+    with pytest.raises(ValueError, match="text column 'conversations' not found in any file"):
+        read_units(str(tmp_path), DataConfig())
+
+
+def test_webdataset_bad_shards_and_names(tmp_path):
+    import os
+
+    record = json.dumps({"conversations": CONV}).encode()
+    write_tar(tmp_path / "a.tar", [("k0.json", record), ("k0.png", png())])
+    with tarfile.open(tmp_path / "b-names.tar", "w", format=tarfile.GNU_FORMAT, encoding="utf-8",
+                      errors="surrogateescape") as tar:
+        for name, data in ((b"caf\xe9.json", record), (b"caf\xe9.png", png())):
+            info = tarfile.TarInfo(name.decode("utf-8", "surrogateescape"))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    os.mkfifo(tmp_path / "c-fifo.tar")
+    os.symlink(tmp_path / "nowhere.tar", tmp_path / "d-dangling.tar")
+    (tmp_path / "e-empty.tar").write_bytes(b"")
+    with _Deadline(60):
+        rows = raw_rows(tmp_path)
+        trained, skipped = trained_and_skipped(tmp_path)
+    by_id = {r[S.SAMPLE_ID]: r for r in rows}
+    assert by_id["b-names.tar/caf\\xe9"][S.READ_ERROR] == ""  # escaped, readable, trained
+    assert len(by_id["b-names.tar/caf\\xe9"][S.IMAGES]) == 1
+    assert sorted(_file_skips(rows)) == ["c-fifo.tar", "d-dangling.tar"]
+    assert sorted(trained) == ["a.tar/k0", "b-names.tar/caf\\xe9"]
+    assert set(skipped) == {"c-fifo.tar", "d-dangling.tar", "e-empty.tar:unreadable-tail"}
+
+
+def test_llava_ids_and_paths_that_are_not_valid_text(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    text = ('[{"id": "bad\\ud800id", "image": "a.png", "conversations": %s},'
+            ' {"id": "nul", "image": "a\\u0000.png", "conversations": %s},'
+            ' {"id": "ok", "image": "a.png", "conversations": %s}]') % ((json.dumps(CONV),) * 3)
+    (tmp_path / "data.json").write_text(text)
+    rows = raw_rows(tmp_path)
+    ids = [r[S.SAMPLE_ID] for r in rows]
+    assert ids == ["data.json:0#bad\\ud800id", "data.json:1#nul", "data.json:2#ok"]
+    assert rows[0][S.READ_ERROR] == "" and rows[2][S.READ_ERROR] == ""
+    assert rows[1][S.READ_ERROR].startswith(S.SKIP_MALFORMED_RECORD) and "NUL" in rows[1][S.READ_ERROR]
+    pa.Table.from_pylist(rows)  # every id and error is storable text
+    trained, skipped = trained_and_skipped(tmp_path)
+    assert sorted(trained) == [ids[0], ids[2]] and list(skipped) == [ids[1]]
+
+
+@pytest.mark.ray
+def test_inspect_counts_skipped_files_as_training_does(ray_cluster, tmp_path):
+    from ray_mmbatch.pipeline import inspect_dataset
+
+    bad = _parquet_with_bad_files(tmp_path)
+    cfg = Config()
+    cfg.data = DataConfig(path=str(tmp_path))
+    with _Deadline(120):
+        summary = inspect_dataset(cfg)
+    trained, skipped = trained_and_skipped(tmp_path)
+    assert summary["skipped_files"] == len(bad) == sum(r.startswith(S.SKIP_UNREADABLE_FILE) for r in skipped.values())
+    assert sorted(summary["skipped_file_reasons"]) == bad
+    assert summary["samples_read"] == summary["samples_ok"] == len(trained) == 6

@@ -44,7 +44,10 @@ def safe_text(value) -> str:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        s = s.encode("utf-8", "backslashreplace").decode("utf-8")
+        try:  # a file / member name decoded with surrogateescape: show its raw bytes, "caf\\xe9"
+            s = s.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        except UnicodeEncodeError:  # a lone surrogate from JSON: "\\ud800"
+            s = s.encode("utf-8", "backslashreplace").decode("utf-8")
     return s.replace("\x00", "\\x00")
 
 

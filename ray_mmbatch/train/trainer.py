@@ -201,6 +201,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "final_loss": _final_loss(out),
         "skipped": skipped,
         "skipped_total": sum(skipped.values()),
+        "skipped_files": skipped.get(S.SKIP_UNREADABLE_FILE, 0),  # files that could not be read (in skipped.csv)
         "wall_s": time.time() - t0,
         "budget": cfg.to_dict()["budget"],
         "config": cfg.to_dict(),
