@@ -201,6 +201,10 @@ class DataConfig:
     """Upper bound of the actor pools for measure and materialize."""
     measure_batch: int = 64
     """Rows per measure call (tokenizer batch)."""
+    max_skip_fraction: float = 0.5
+    """Stop the run when more than this share of the samples seen is skipped (judged from 50 samples on,
+    or at the end of a smaller dataset; also on the first samples before the run): a wrong --image-root or
+    column should fail with its reasons, not train on what is left. 1 = never stop."""
     max_file_bytes: int = 64 * 2**20
     """Largest image file / tar member read (bytes; from the tar header or stat, before reading); larger ones
     are skipped as file_too_large. 0 = no limit."""

@@ -9,7 +9,9 @@ driver's console while Ray's log files under ``/tmp/ray/session_*/logs`` keep ev
   Data execution plans, Ray's own deprecation warnings); anything not on the list, a
   user warning, an error or a traceback, still shows;
 - the driver's ``ray`` loggers show WARNING and up (Ray Data's file log keeps DEBUG);
-- Ray's deprecation warnings raised in the driver are ignored.
+- Ray's deprecation warnings raised in the driver are ignored;
+- the driver's own stderr (fd 2, where Ray's C++ core prints, e.g. ``core_worker.cc`` and
+  the token-authentication note) passes the same deny-list through a pipe.
 
 ``--verbose`` (``quiet_ray(True)``) changes nothing: Ray prints as it always does.
 
@@ -18,6 +20,7 @@ rank 0 appends at each report), or redraws one line when stdout is a terminal.
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -103,6 +106,7 @@ def quiet_ray(verbose: bool = False, own_progress: bool = False) -> None:
     for h in logging.getLogger("ray.data").handlers:
         if not isinstance(h, logging.FileHandler) and type(h).__name__ != "SessionFileHandler":
             h.setLevel(logging.WARNING)
+    _filter_stderr()
     try:  # private API: the driver's handler of forwarded worker output
         from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
@@ -111,6 +115,56 @@ def quiet_ray(verbose: bool = False, own_progress: bool = False) -> None:
                                    for n, h in dispatcher.handlers]
     except Exception:  # moved in another Ray version: Ray prints as usual
         pass
+
+
+def _filter_stderr() -> None:
+    """Send fd 2 through a pipe whose reader drops NOISE lines (C++ code writes there directly)."""
+    if _state.get("stderr_pump") is not None:
+        return
+    try:
+        sys.stderr.flush()
+        original = os.dup(2)
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, 2)
+        os.close(write_end)
+    except (OSError, ValueError):  # no real fd 2 (an embedding host): leave it
+        return
+
+    def pump() -> None:
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(read_end, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            kept = filter_lines([ln.decode("utf-8", "replace") for ln in lines])
+            if b"\r" in buf:  # a progress bar redraws without a newline: pass it on now
+                kept_tail, buf = buf, b""
+            else:
+                kept_tail = b""
+            data = "".join(k + "\n" for k in kept).encode() + kept_tail
+            if data:
+                os.write(original, data)
+        if buf:
+            os.write(original, buf)
+
+    t = threading.Thread(target=pump, name="ray_mmbatch_stderr", daemon=True)
+    t.start()
+    _state["stderr_pump"] = t
+
+    def restore() -> None:  # at exit: give fd 2 back, let the pump drain what is in the pipe
+        try:
+            sys.stderr.flush()
+            os.dup2(original, 2)
+        except (OSError, ValueError):
+            return
+        t.join(timeout=1.0)
+
+    atexit.register(restore)
 
 
 def after_connect() -> None:

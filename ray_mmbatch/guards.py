@@ -21,6 +21,10 @@ SKIP_CHECK_MIN_SAMPLES = 50
 """Samples seen before the skip fraction is judged (a smaller dataset is judged at its end)."""
 
 
+STOPPED_FILE = "stopped.json"
+"""OUTPUT_DIR file rank 0 writes when the guard stops a run: {"seen", "skipped", "step"}."""
+
+
 class TooManySkipped(RuntimeError):
     """The share of skipped samples passed data.max_skip_fraction; str() is the whole explanation."""
 

@@ -47,3 +47,50 @@ def test_train_help_lists_the_documented_options():
                  "--tokenizer", "--config"):
         assert flag in out
     assert "Token budget per batch" in out   # help text comes from the config field's docstring
+
+
+SUBCOMMANDS = {"train": "train.py", "inspect": "inspect_data.py", "prepare": "prepare_data.py",
+               "tune": "tune_budget.py", "report": "report.py", "verify-packing": "verify_packing.py"}
+
+
+def test_one_command_line_with_the_jobs_flags():
+    """`ray-mmbatch SUB --help` and `python jobs/JOB.py --help` list the same flags; the jobs are thin
+    wrappers without sys.path edits (`ray job submit --working-dir .` puts the repo on PYTHONPATH)."""
+    import re
+
+    exe = Path(sys.executable).parent / "ray-mmbatch"
+    top = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+    for sub, job in SUBCOMMANDS.items():
+        assert sub in top
+        a = subprocess.run([str(exe), sub, "--help"], capture_output=True, text=True, timeout=120, check=True).stdout
+        b = subprocess.run([sys.executable, str(ROOT / "jobs" / job), "--help"], capture_output=True, text=True,
+                           timeout=120, check=True).stdout
+        flags = lambda text: sorted(set(re.findall(r"(?<![\w-])--[a-z][\w-]*", text)))  # noqa: E731
+        assert flags(a) == flags(b) and "--help" in flags(a), sub
+        source = (ROOT / "jobs" / job).read_text()
+        assert "sys.path" not in source and len(source.splitlines()) < 15
+    bad = subprocess.run([str(exe), "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown command" in bad.stderr
+
+
+def test_quiet_console_drops_ray_noise_and_keeps_the_rest():
+    from ray_mmbatch.console import filter_lines, progress_line
+
+    lines = [
+        "[2026-12-03 07:55:53,186 E 29506 29537] core_worker.cc:2465: Actor with class name: 'X' and ID: 'e1' "
+        "has constructor arguments in the object store and max_restarts > 0.",
+        "Reporting training result 1: TrainingReport(checkpoint=None, metrics={'step': 5})",
+        "/x/ray/runtime_context.py:468: RayDeprecationWarning: This API is deprecated",
+        "Use get_actor_id() instead",
+        "  not self.actor_id.is_nil()",
+        "UserWarning: your images are tiny",
+        "Traceback (most recent call last):",
+    ]
+    assert filter_lines(lines) == ["UserWarning: your images are tiny", "Traceback (most recent call last):"]
+    m = {"step": 10, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 12345.0, "fill": 0.991, "data_wait_frac": 0.12,
+         "peak_mem_mb": 2048.0}
+    line = progress_line(m, 20, 30.0)
+    for part in ("step 10/20", "loss 2.500", "lr 1.00e-03", "12.3k tok/s", "fill 99.1%", "data wait 12%",
+                 "mem 2.0 GB", "00:30 elapsed", "eta 00:30"):
+        assert part in line, (part, line)
+    assert "(50.0% of data)" in progress_line({**m, "progress": 0.5}, 0, 30.0)

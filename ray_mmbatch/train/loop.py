@@ -185,10 +185,13 @@ class Runner:
     def _guard(self, guard: list[int], at_end: bool) -> bool:
         """Stop (all ranks agree: the counts are all-reduced) when too many samples are skipped;
         the driver explains it from skipped.csv (guards.py)."""
-        from ray_mmbatch.guards import skip_fraction_exceeded
+        from ray_mmbatch.guards import STOPPED_FILE, skip_fraction_exceeded
 
         if skip_fraction_exceeded(guard[0], guard[1], self.cfg.data.max_skip_fraction, at_end=at_end):
             self.aborted = f"{guard[1]} of {guard[0]} samples skipped"
+            if self.rank == 0:  # a file: Ray's Result only carries metrics of checkpointed reports
+                (Path(self.cfg.train.output_dir) / STOPPED_FILE).write_text(
+                    json.dumps({"seen": guard[0], "skipped": guard[1], "step": self.step}))
         return bool(self.aborted)
 
     def _set_progress(self) -> None:

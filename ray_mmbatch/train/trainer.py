@@ -186,6 +186,10 @@ def run_training(cfg: Config) -> dict[str, Any]:
     """Train; return and write OUTPUT_DIR/summary.json."""
     t0 = time.time()
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
+    from ray_mmbatch.guards import STOPPED_FILE, TooManySkipped
+
+    stopped = Path(cfg.train.output_dir) / STOPPED_FILE
+    stopped.unlink(missing_ok=True)  # from an earlier run in this dir
     result = build_trainer(cfg).fit()
     out = Path(cfg.train.output_dir)
     skipped = _merge_rank_files(out)
@@ -207,24 +211,21 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "config": cfg.to_dict(),
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
     }
-    if m.get("aborted"):
-        summary["stopped"] = _explain_stop(cfg, out, m)
+    if stopped.exists():  # the skip guard stopped the run (train/loop.py)
+        summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))
     (out / S.RUN_SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
-    if m.get("aborted"):
-        from ray_mmbatch.guards import TooManySkipped
-
+    if stopped.exists():
         raise TooManySkipped(summary["stopped"])
     return summary
 
 
-def _explain_stop(cfg: Config, out: Path, m: dict[str, Any]) -> str:
-    """The skip guard stopped the run (train/loop.py): its reasons, from the merged skipped.csv."""
+def _explain_stop(cfg: Config, out: Path, stop: dict[str, int]) -> str:
+    """Why the skip guard stopped the run: its reasons and fixes, from the merged skipped.csv."""
     from ray_mmbatch.guards import explain_skips
 
     with open(out / S.RUN_SKIPPED, newline="") as f:
         records = [(r["sample_id"], f"{r['reason']}: {r['detail']}") for r in csv.DictReader(f)]
-    seen = int(str(m["aborted"]).split(" of ")[-1].split()[0]) if " of " in str(m["aborted"]) else len(records)
-    return explain_skips(records, seen, cfg.data.max_skip_fraction, cfg.data)
+    return explain_skips(records, max(int(stop["seen"]), len(records)), cfg.data.max_skip_fraction, cfg.data)
 
 
 def _final_loss(out: Path) -> float | None:
