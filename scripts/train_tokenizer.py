@@ -4,9 +4,9 @@ Why a tokenizer of our own: nothing can be downloaded from model hubs, tests mus
 hermetic, and a 4k vocabulary keeps the demo model's embedding small. Byte-level
 BPE (GPT-2 style) so that ANY Unicode text encodes; no unknown token exists.
 
-Corpus (text this repository owns, written to ray_mmbatch/assets/tokenizer_corpus.txt
-so the tokenizer can be re-trained bit for bit): sentences generated with a fixed
-seed from colour / shape / object / position / document / instruction vocabularies
+Corpus (text this repository owns, written to scripts/tokenizer_corpus.txt, beside this
+script and out of the wheel, so the tokenizer can be re-trained bit for bit): sentences
+generated with a fixed seed from colour / shape / object / position / document / instruction vocabularies
 (the words the demo data and real captions use), a few paragraphs of prose written
 for this file, numbers, and the repo's own Python sources and Markdown docs.
 
@@ -28,7 +28,7 @@ from ray_mmbatch import schema as S
 ROOT = Path(__file__).resolve().parents[1]
 ASSETS = ROOT / "ray_mmbatch" / "assets"
 OUT_DIR = ASSETS / "tokenizer"
-CORPUS = ASSETS / "tokenizer_corpus.txt"
+CORPUS = ROOT / "scripts" / "tokenizer_corpus.txt"
 VOCAB_SIZE = 4096
 
 COLOURS = ("red green blue yellow orange purple pink brown black white gray grey cyan magenta teal navy maroon "
