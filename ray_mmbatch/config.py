@@ -28,6 +28,10 @@ class ImageConfig:
     """Smart resize upper bound on the resized image area (pixels); bounds image tokens per image."""
     max_header_pixels: int = 89_478_485
     """Refuse (decompression_bomb) any image whose header says more pixels than this. Pillow's own guard stays on."""
+    max_decoded_bytes: int = 256 * 2**20
+    """Refuse (decompression_bomb) any image whose decoded pixels would take more bytes than this, judged from
+    the header (width x height x bytes per pixel of its mode, 16-bit counted at 4) before decoding: a 157 KB
+    16-bit 9000x9000 PNG. The default lets an 8-bit RGB image of max_header_pixels through. 0 = no limit."""
     allowed_formats: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
     """Pillow format names accepted; anything else is skipped as unsupported_format."""
     resize: str = "smart"
@@ -201,16 +205,14 @@ class DataConfig:
     """Upper bound of the actor pools for measure and materialize."""
     measure_batch: int = 64
     """Rows per measure call (tokenizer batch)."""
-    max_skip_fraction: float = 0.5
-    """Stop the run when more than this share of the samples seen is skipped (judged from 50 samples on,
-    or at the end of a smaller dataset; also on the first samples before the run): a wrong --image-root or
-    column should fail with its reasons, not train on what is left. 1 = never stop."""
     max_file_bytes: int = 64 * 2**20
     """Largest image file / tar member read (bytes; from the tar header or stat, before reading); larger ones
     are skipped as file_too_large. 0 = no limit."""
-    max_text_chars: int = 1_000_000
+    max_text_chars: int = 262_144
     """Text characters kept per sample before tokenizing (the rest is cut, so --oversize then truncates or
-    skips the sample as for any long one); keep it above max_tokens x the longest token. 0 = no limit."""
+    skips the sample as for any long one): a 50 MB cell never reaches the tokenizer whole. The default is
+    more than a 32k-token budget uses at 8 characters per token (tokenizing it: ~0.1 s, ~40 MB); raise it
+    with larger budgets. 0 = no limit."""
 
 
 @dataclass

@@ -110,6 +110,14 @@ def _orientation(img: Image.Image, data: bytes | None = None) -> int:
         return 1
 
 
+def decoded_bytes_per_pixel(mode: str) -> int:
+    """Bytes per pixel of the largest copy decoding makes: the file's mode, with 16-bit and 32-bit
+    modes counted at 4 (Pillow widens I;16 to I on the way to RGB), and never less than the RGB copy."""
+    if mode.startswith("I;16") or mode in ("I", "F", "RGBA", "RGBX", "RGBa", "CMYK", "La", "LA", "PA"):
+        return 4
+    return 3
+
+
 def probe_image(data: bytes, cfg: ImageConfig) -> tuple[int, int]:
     """(height, width) as displayed (after EXIF orientation), from the header only."""
     img = _open(data)
@@ -122,6 +130,10 @@ def probe_image(data: bytes, cfg: ImageConfig) -> tuple[int, int]:
     if width * height > cfg.max_header_pixels:
         raise ImageSkip(S.SKIP_DECOMPRESSION_BOMB,
                         f"header says {width}x{height} > max_header_pixels={cfg.max_header_pixels}")
+    need = width * height * decoded_bytes_per_pixel(img.mode)
+    if cfg.max_decoded_bytes and need > cfg.max_decoded_bytes:
+        raise ImageSkip(S.SKIP_DECOMPRESSION_BOMB, f"{width}x{height} {img.mode} decodes to {need:,} bytes > "
+                                                   f"image.max_decoded_bytes={cfg.max_decoded_bytes:,}")
     if _orientation(img, data) in _SWAPS_SIDES:
         width, height = height, width
     return height, width
