@@ -213,6 +213,10 @@ class DataConfig:
     skips the sample as for any long one): a 50 MB cell never reaches the tokenizer whole. The default is
     more than a 32k-token budget uses at 8 characters per token (tokenizing it: ~0.1 s, ~40 MB); raise it
     with larger budgets. 0 = no limit."""
+    max_skip_fraction: float = 0.5
+    """Stop the run when more than this share of the samples seen is skipped (judged from 50 samples on,
+    or at the end of a smaller dataset; also on the first samples before the run): a wrong --image-root or
+    column should fail with its reasons, not train on what is left. 1 = never stop."""
 
 
 @dataclass
