@@ -237,3 +237,65 @@ def test_inspect_counts_skipped_files_as_training_does(ray_cluster, tmp_path):
     assert summary["skipped_files"] == len(bad) == sum(r.startswith(S.SKIP_UNREADABLE_FILE) for r in skipped.values())
     assert sorted(summary["skipped_file_reasons"]) == bad
     assert summary["samples_read"] == summary["samples_ok"] == len(trained) == 6
+
+
+# ------------------------------------------------------------------ formats people already have
+TRL = [{"role": "User", "content": [{"type": "image", "text": None}, {"type": "text", "text": "What colour is it?"}]},
+       {"role": "ASSISTANT", "content": [{"type": "text", "text": "It is red."}]}]
+SHAREGPT = [{"from": "Human", "value": f"{IMG}What colour is it?"}, {"from": "GPT", "value": "It is red."}]
+
+
+def _tokens(path, **data) -> dict[str, tuple[int, int]]:
+    """sample id -> (tokens, images) of every trained sample (local_batches)."""
+    cfg = Config()
+    cfg.data = DataConfig(path=str(path), **data)
+    cfg.budget.max_tokens = 1024
+    out = {}
+    for b in local_batches(cfg):
+        lengths = np.diff(b["cu_seqlens"]) if "cu_seqlens" in b else None
+        for j, sid in enumerate(b["sample_ids"]):
+            out[sid] = int(lengths[j]) if lengths is not None else -1
+    return out
+
+
+def test_hf_trl_messages_layout_in_every_format(tmp_path):
+    image = png()
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": image, "path": "a.png"}]], pa.list_(IMAGE_STRUCT)),
+                             "conversations": pa.array([SHAREGPT])}), ref / "r.parquet")
+    [expected] = _tokens(ref).values()
+    assert expected > 20
+    # Parquet: a `messages` column (list of {role, content parts}) beside `images`
+    (tmp_path / "pq").mkdir()
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": image, "path": "a.png"}]], pa.list_(IMAGE_STRUCT)),
+                             "messages": pa.array([TRL])}), tmp_path / "pq" / "train.parquet")
+    # Parquet: content as plain strings, roles in capitals
+    (tmp_path / "pq_str").mkdir()
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": image, "path": "a.png"}]], pa.list_(IMAGE_STRUCT)),
+                             "messages": pa.array([[{"role": "USER", "content": f"{IMG}What colour is it?"},
+                                                    {"role": "Assistant", "content": "It is red."}]])}),
+                   tmp_path / "pq_str" / "train.parquet")
+    # Parquet: conversations stored as a JSON string
+    (tmp_path / "pq_json").mkdir()
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": image, "path": "a.png"}]], pa.list_(IMAGE_STRUCT)),
+                             "conversations": [json.dumps(SHAREGPT)]}), tmp_path / "pq_json" / "train.parquet")
+    # WebDataset: KEY.json with "messages"
+    (tmp_path / "wds").mkdir()
+    write_tar(tmp_path / "wds" / "s.tar", [("k.json", json.dumps({"messages": TRL}).encode()), ("k.png", image)])
+    # LLaVA-style JSON with "messages", and one with conversations as a JSON string
+    for name, record in (("llava", {"id": "m", "image": "a.png", "messages": TRL}),
+                         ("llava_json", {"id": "s", "image": "a.png", "conversations": json.dumps(SHAREGPT)})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a.png").write_bytes(image)
+        (tmp_path / name / "data.json").write_text(json.dumps([record]))
+    for name in ("pq", "pq_str", "pq_json", "wds", "llava", "llava_json"):
+        got = _tokens(tmp_path / name)
+        assert list(got.values()) == [expected], (name, got)
+
+
+def test_jsonl_named_json_gets_the_right_extension_named(tmp_path):
+    lines = [json.dumps({"id": str(i), "conversations": CONV}) for i in range(3)]
+    (tmp_path / "data.json").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"JSON Lines.*name it data\.jsonl"):
+        read_units(str(tmp_path), DataConfig())
