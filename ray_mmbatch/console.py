@@ -295,8 +295,8 @@ class Progress:
             now, done = time.time(), done_share(m, self.max_steps)
             eta = None
             if done is not None:
-                if self._first is None:
-                    self._first = (now, done)
+                if self._first is None:  # no rate yet: the time so far is mostly start-up
+                    self._first, eta = (now, done), -1.0
                 elif done > self._first[1]:
                     eta = (now - self._first[0]) * (1 - done) / (done - self._first[1])
             self.show(progress_line(m, self.max_steps, now - self.t0, eta))
