@@ -12,10 +12,10 @@ Plotly JSON) and ``report.html`` (the same figures, plotly.js inlined once so
 the page opens on a machine with no network).
 
 Algorithm: one pass over each file, O(batches + metrics + skipped) time and
-memory. Measured (2-core CPU, write_fake_run in tests/test_report.py): 120
-batches 0.45 s, 10^5 batches 6.8 s with a 12 MB HTML (per-batch markers all kept). The derived numbers are
-recomputed from the per-batch rows rather than copied from summary.json, so a
-wrong total in the summary shows up as a warning instead of being repeated.
+memory (per-batch markers all kept; timings in benchmarks/RESULTS.md, "Report").
+The derived numbers are recomputed from the per-batch rows rather than copied
+from summary.json, so a wrong total in the summary shows up as a warning instead
+of being repeated.
 
 Tolerance: a run killed mid-write leaves a final JSONL line without its
 newline; that one line is ignored and counted in ``warnings``. Any other

@@ -5,9 +5,9 @@ every open batch in tokens, patches, images and sample count is a numpy vector,
 so "first batch that fits" is one vectorized comparison per sample.
 In pad mode the token room is counted in rows, capped by the batch's first row.
 Cost: O(n log n) sort + O(n * b) vectorized (~5 us per sample at b ~ 100).
-Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
-16384 tokens, window 2048): fill 99.43%, the same batch count as best-fit
-decreasing, but ~10x slower (~200k samples/s), so BFD is the default.
+It fills as well as best-fit decreasing (the same batch count) but plans about
+10x slower, so BFD is the default: benchmarks/bench_packing.py, figures in
+benchmarks/RESULTS.md ("Packing").
 """
 from __future__ import annotations
 

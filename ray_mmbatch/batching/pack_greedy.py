@@ -7,10 +7,9 @@ ends, so the Python loop runs once per *batch*, not per sample.
 
 Cost: O(n + batches * log n). Works for both modes: in pad mode the running
 longest row decides, so the end is found by a short scan instead.
-Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
-16384 tokens): pack fill 94.5% (3369 batches vs lower bound 3184), pad fill
-39.3% (arrival order pads short rows to long ones) - the reason the sorted
-planners exist. ~5M samples/s (pack).
+The fastest planner, and the worst filled (in pad mode arrival order pads short
+rows to long ones) - the reason the sorted planners exist. Fill and speed:
+benchmarks/bench_packing.py, figures in benchmarks/RESULTS.md ("Packing").
 """
 from __future__ import annotations
 

@@ -12,11 +12,10 @@ With lengths ascending, prefix sums P and batch [i, j) (longest = t[j-1]):
 lo_j comes from the row cap and the additive limits and is found by bisect.
 Cost: O(n * r) with r the largest rows-per-batch (vectorized per j with numpy),
 ~3 us per sample; for when padding matters more than planning speed.
-Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
-16384 tokens): padded fill 98.31% vs 98.24% for the greedy cut at window 2048
-(99.54% vs 99.52% at 8192), same batch count, ~300k samples/s. Allowing more
-batches buys little: a per-batch price of 0.05 * max_tokens gave 98.53% fill
-for 2.8% more batches, so the DP stays lexicographic.
+It beats the greedy cut (pad_sorted_buckets) by under a tenth of a point with the
+same batch count, at about a tenth of its speed; allowing more batches (a per-batch
+price) bought little, so the DP stays lexicographic. Figures: benchmarks/bench_packing.py,
+benchmarks/RESULTS.md ("Packing").
 """
 from __future__ import annotations
 

@@ -6,10 +6,9 @@ takes as many next-longest rows as ``rows * (L + w L^2) <= max_tokens`` and the
 patch / image / sample limits allow. Because feasibility is monotone along the
 sorted order, this greedy cut gives the *minimum number of batches* of any
 split of the sorted order. Cost: O(n log n) sort + O(batches * log n).
-Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
-16384 tokens): padded fill (real / rows*longest) 98.24% at window 2048, 94.0%
-at 512, 99.52% at 8192; ~3M samples/s on one core. The pad default: the DP
-(pad_optimal_split) gains only 0.07 points at 10x the planning time.
+The pad default: the DP (pad_optimal_split) gains under a tenth of a point of
+padded fill at about 10x the planning time (benchmarks/bench_packing.py, figures
+in benchmarks/RESULTS.md, "Packing").
 """
 from __future__ import annotations
 

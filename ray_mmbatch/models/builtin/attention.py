@@ -30,9 +30,9 @@ Backends (``ModelConfig.attention``):
   sum(L_i^2) / BUCKET_RATIO^2 instead of T^2, in a few kernel calls (about
   log(longest / BUCKET_FLOOR) / log(1 / BUCKET_RATIO)); a pad-query / pad-key
   entry only gets zero gradient, so results equal the block mask to fp32
-  rounding. Measured (benchmarks/bench_train.py, 8192-token packs, default
-  model, fp32, 2 CPU threads): median step 5.5 s -> 0.7 s, real tokens/s
-  1.0k -> 10.1k (attention was ~85% of the step). Pad layouts use the explicit
+  rounding. On CPU this made packed training several times faster (attention
+  had been most of the step; benchmarks/bench_train.py, before/after figures in
+  benchmarks/RESULTS.md, "Training throughput"). Pad layouts use the explicit
   [B, 1, L, L] boolean mask (built once per forward, shared by every layer),
   or, when causal with right padding (collate_pad's layout), ``is_causal=True``
   and no mask at all.

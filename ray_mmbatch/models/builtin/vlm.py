@@ -16,10 +16,10 @@ projects only the target positions through the head, so a 4096-token pack never
 materializes [T, V] logits (labels are already shifted: labels[t] is the target
 of position t).
 
-Size and speed (ModelConfig defaults, vocab 8192): 1.94 M parameters. Packed
-attention runs per group of similar-length samples (model/attention.py), so a
-pack costs about sum(L_i^2), not T^2: training throughput on this 2-core CPU is
-in benchmarks/RESULTS.md ("Training throughput").
+Size: set by ModelConfig and the tokenizer's vocabulary (``build_model``). Packed
+attention runs per group of similar-length samples (models/builtin/attention.py),
+so a pack costs about sum(L_i^2), not T^2: training throughput is in
+benchmarks/RESULTS.md ("Training throughput").
 """
 from __future__ import annotations
 
