@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
@@ -44,8 +43,15 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         fmt, files = resolve_files(d.path, d.format)
     except (OSError, ValueError) as e:
         raise PreflightError(f"data: {e}") from None
-    if fmt == "llava" and d.image_root and not os.path.isdir(d.image_root):
-        raise PreflightError(f"data: --image-root {d.image_root!r} is not a folder")
+    if fmt == "llava" and d.image_root:
+        from ray_mmbatch.formats import fs
+
+        try:
+            is_dir = fs.kind(d.image_root) == "dir"  # a local folder or a bucket prefix
+        except OSError as e:
+            raise PreflightError(f"data: --image-root: {e}") from None
+        if not is_dir:
+            raise PreflightError(f"data: --image-root {d.image_root!r} is not a folder")
 
     try:
         cfg = _configured(cfg)

@@ -109,3 +109,17 @@ def test_ray_read_from_s3_equals_local(ray_cluster, s3):
     assert ids == list(_measured(str(local / "webdataset"), "webdataset"))
     assert all(r[S.READ_ERROR] == "" for r in rows) and sum(len(r[S.IMAGES]) for r in rows) > 10
     assert np.all([isinstance(b, bytes) for r in rows for b in r[S.IMAGES]])
+
+
+def test_preflight_and_image_root_in_the_bucket(s3):
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.preflight import PreflightError, preflight
+
+    _, remote = s3
+    cfg = Config()
+    cfg.data = DataConfig(path=f"{remote}/llava/data.json", image_root=f"{remote}/llava")
+    seen = preflight(cfg, samples=8)
+    assert seen["format"] == "llava" and seen["samples_checked"] == 8 and seen["skipped"] == 0
+    cfg.data.image_root = f"{remote}/no-images-here"
+    with pytest.raises(PreflightError, match="not a folder"):
+        preflight(cfg, samples=8)
