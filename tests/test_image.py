@@ -8,6 +8,7 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, JpegImagePlugin
@@ -15,8 +16,9 @@ from skimage import data as skdata
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig
-from ray_mmbatch.data.image import (ImageSkip, decode_image, image_grid, patch_positions, patchify, probe_image,
-                                    smart_resize, unpatchify)
+from ray_mmbatch.data.image import (ImageSkip, decode_image, image_grid, patchify, probe_image, smart_resize,
+                                    unpatchify)
+from ray_mmbatch.models.builtin.rope import patch_positions
 
 CFG = ImageConfig()
 
@@ -238,8 +240,8 @@ def test_merge_window_order_and_positions():
     p = patchify(img.astype(np.uint8), cfg)
     got = np.stack([p[:, 0], p[:, 4]], -1)  # channel-major: channel 1 starts at ps*ps = 4
     assert got[:8].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 2], [0, 3], [1, 2], [1, 3]]
-    pos = patch_positions((1, gh, gw), 2)
-    assert pos.dtype == np.int32
+    # the vision tower's own positions (models/builtin/rope.py) name each patch's (row, col)
+    pos = patch_positions(torch.tensor([[1, gh, gw]]), 2).numpy()
     np.testing.assert_array_equal(pos, got)
     assert p.reshape(-1, 4 * p.shape[1]).shape[0] == gh * gw // 4  # one row per merge window
     with pytest.raises(ValueError):

@@ -336,7 +336,7 @@ def test_sdpa_segment_buckets_equal_block_mask(case, causal):
     grad_out = torch.randn(1, 4, length, 16, generator=gen)
     results = []
     for fn in (attend, _masked_reference):
-        layout = pack_layout(torch.tensor(cu), length, 0, causal=causal, backend="sdpa", device=torch.device("cpu"))
+        layout = pack_layout(torch.tensor(cu), length, causal=causal, backend="sdpa", device=torch.device("cpu"))
         out = fn(q, k, v, layout)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
         results.append((out, *grads))
@@ -353,7 +353,7 @@ def test_segment_buckets_cover_every_token_once_and_bound_the_work():
     rng.shuffle(lens)
     cu = np.concatenate([[0], np.cumsum(lens)])
     length = int(cu[-1]) + 9
-    layout = pack_layout(torch.tensor(cu), length, 0, causal=True, backend="sdpa", device=torch.device("cpu"))
+    layout = pack_layout(torch.tensor(cu), length, causal=True, backend="sdpa", device=torch.device("cpu"))
     buckets = layout.segment_buckets()
     seen = np.concatenate([idx[idx >= 0].numpy().reshape(-1) for idx, _ in buckets])
     slots = sum(idx.numel() for idx, _ in buckets)

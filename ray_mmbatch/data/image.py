@@ -329,11 +329,3 @@ def unpatchify(patches: np.ndarray, grid_thw, cfg: ImageConfig) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(gh * ps, gw * ps, 3)
 
 
-def patch_positions(grid_thw, merge_size: int) -> np.ndarray:
-    """int32 [t*gh*gw, 2]: (row, col) in the patch grid of every patch, in patchify's order."""
-    t, gh, gw = (int(v) for v in grid_thw)
-    _check_grid(gh, gw, merge_size)
-    m = merge_size
-    rows, cols = np.meshgrid(np.arange(gh, dtype=np.int32), np.arange(gw, dtype=np.int32), indexing="ij")
-    rc = np.stack([rows, cols], axis=-1).reshape(gh // m, m, gw // m, m, 2).transpose(0, 2, 1, 3, 4)
-    return np.tile(rc.reshape(gh * gw, 2), (t, 1))

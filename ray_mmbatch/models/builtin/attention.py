@@ -101,7 +101,6 @@ class AttentionLayout:
     causal: bool
     length: int
     cu_seqlens: torch.Tensor | None = None
-    max_seqlen: int = 0
     key_valid: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)
 
@@ -206,15 +205,14 @@ class AttentionLayout:
         return (self.cu_seqlens if self.packed else self.key_valid).device
 
 
-def pack_layout(cu_seqlens: torch.Tensor, length: int, max_seqlen: int, causal: bool, backend: str,
+def pack_layout(cu_seqlens: torch.Tensor, length: int, causal: bool, backend: str,
                 device: torch.device) -> AttentionLayout:
     cu = cu_seqlens.to(device=device, dtype=torch.int32)
     if cu.ndim != 1 or cu.numel() < 1 or int(cu[0]) != 0:
         raise ValueError(f"cu_seqlens must be 1-D starting at 0, got {cu_seqlens.tolist()}")
     if bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > length:
         raise ValueError(f"cu_seqlens must be non-decreasing and end <= {length}, got {cu.tolist()}")
-    return AttentionLayout(resolve_backend(backend, device), causal, length, cu_seqlens=cu,
-                           max_seqlen=int(max_seqlen))
+    return AttentionLayout(resolve_backend(backend, device), causal, length, cu_seqlens=cu)
 
 
 def pad_layout(attention_mask: torch.Tensor, causal: bool, backend: str) -> AttentionLayout:

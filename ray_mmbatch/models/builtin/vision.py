@@ -79,9 +79,7 @@ class VisionEncoder(nn.Module):
         def rotate(q, k):
             return apply_rope_2d(q, rows, cols), apply_rope_2d(k, rows, cols)
 
-        max_len = int(per_image.max()) if per_image.numel() else 0
-        layout = pack_layout(cu_seqlens, n_patches, max_len, causal=False, backend=self.attention,
-                             device=patches.device)
+        layout = pack_layout(cu_seqlens, n_patches, causal=False, backend=self.attention, device=patches.device)
         # Constants, not buffers: DDP would otherwise broadcast them before every forward.
         mean = torch.tensor(IMAGE_MEAN, device=patches.device).view(1, 3, 1)
         std = torch.tensor(IMAGE_STD, device=patches.device).view(1, 3, 1)

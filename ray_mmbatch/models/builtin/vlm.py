@@ -90,8 +90,8 @@ class VisionLanguageModel(nn.Module):
         if mode == "pack":
             if ids.shape[0] != 1:
                 raise ValueError(f"pack mode expects input_ids [1, T], got {tuple(ids.shape)}")
-            layout = pack_layout(batch["cu_seqlens"], ids.shape[1], int(batch.get("max_seqlen", 0)),
-                                 causal=True, backend=self.attention, device=ids.device)
+            layout = pack_layout(batch["cu_seqlens"], ids.shape[1], causal=True, backend=self.attention,
+                                 device=ids.device)
         else:
             layout = pad_layout(batch["attention_mask"], causal=True, backend=self.attention)
         return self.decoder(x, batch["position_ids"], layout)
