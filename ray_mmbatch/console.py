@@ -29,8 +29,9 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # Lines (of forwarded worker output) that are Ray's internal bookkeeping, not the user's run.
 NOISE = re.compile("|".join((
@@ -253,7 +254,7 @@ class Progress:
         self._thread = threading.Thread(target=self._loop, name="ray_mmbatch_progress", daemon=True)
         self.printed = 0
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self._thread.start()
         return self
 

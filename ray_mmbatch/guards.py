@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from typing import Iterable
+from collections.abc import Iterable
 
 from ray_mmbatch import schema as S
 

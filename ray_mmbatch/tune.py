@@ -23,6 +23,7 @@ from ray import tune
 from ray_mmbatch.config import Config, apply_overrides, save_config
 from ray_mmbatch.runlog import read_jsonl
 
+
 def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
     """The product of per-field value lists -> a list of settings ({"section.field": value})."""
     settings: list[dict[str, Any]] = [{}]

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"[tune] error: {e}", file=sys.stderr, flush=True)
         return 2
     space = {"budget.max_tokens": _grid(args.max_tokens_grid, int), "budget.mode": _grid(args.mode_grid, str)}
-    for key, text, cast in (("budget.window", args.window_grid, int), ("budget.max_patches", args.max_patches_grid, int)):
+    for key, text, cast in (("budget.window", args.window_grid, int),
+                            ("budget.max_patches", args.max_patches_grid, int)):
         if text:
             space[key] = _grid(text, cast)
     from ray_mmbatch.tune import format_table, grid, tune_budgets
