@@ -405,8 +405,8 @@ def _template_pieces(turns: list[tuple[str, str]], has_images: bool, train_on_pr
         if len(enc.shapes) >= _MAX_SHAPES:
             enc.shapes.clear()
         layout = enc.shapes[shape] = _layout(enc, shape)
-    if isinstance(layout, TextSkip):
-        raise layout
+    if isinstance(layout, TextSkip):  # a fresh one: re-raising the cached instance would grow its traceback
+        raise TextSkip(layout.reason, layout.detail)
     out: list[tuple[Any, Any, bool]] = []
     for item in layout:
         if item.__class__ is tuple:  # (token id, target)
