@@ -30,9 +30,8 @@ Cost: ONE fast-tokenizer call (Rust, batched, deduplicated) over every text stre
 every sample in the batch, then numpy per sample. Renders depend only on a conversation's
 *shape* (roles, image/text parts; sentinels stand for text), so the layout is cached per
 shape and the prefix renders per shape prefix (a trie): Jinja runs for new shapes only,
-O(turns**2) for a long conversation whose prefixes are new. Measured ~2,000-2,900
-samples/s warm vs ~6,500 plain, ~650-820 cold (every shape new) over the generated
-mixture on one core: benchmarks/RESULTS.md "Text encoding" (benchmarks/bench_text.py).
+O(turns**2) for a long conversation whose prefixes are new. Figures (plain vs template,
+cold vs warm caches): benchmarks/RESULTS.md "Text encoding" (benchmarks/bench_text.py).
 Pure module: transformers/tokenizers + numpy, no ray, no torch.
 """
 from __future__ import annotations
