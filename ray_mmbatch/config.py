@@ -186,11 +186,13 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = ""
-    """Dataset path (file, folder or glob); empty = generate a demo dataset under output_dir."""
+    """Dataset location: a file, folder or glob, as a local path or a URI of any pyarrow filesystem (s3://,
+    gs://, abfs://, hdfs://, file://; credentials and AWS_ENDPOINT_URL from the environment); empty = generate
+    a demo dataset under output_dir."""
     format: str = "auto"
     """'parquet', 'webdataset', 'llava' or 'auto' (guessed from the path)."""
     image_root: str = ""
-    """LLaVA format: image folder (default: the JSON file's folder)."""
+    """LLaVA format: image folder, a local path or a URI (default: the JSON file's folder)."""
     image_column: str = "images"
     """Parquet: column with image structs {bytes, path} (or a list of them)."""
     text_column: str = "conversations"
