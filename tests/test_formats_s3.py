@@ -123,3 +123,20 @@ def test_preflight_and_image_root_in_the_bucket(s3):
     cfg.data.image_root = f"{remote}/no-images-here"
     with pytest.raises(PreflightError, match="not a folder"):
         preflight(cfg, samples=8)
+
+
+@pytest.mark.ray
+def test_inspect_from_s3_equals_local(ray_cluster, s3):
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.pipeline import inspect_dataset
+
+    local, remote = s3
+    summaries = []
+    for path in (str(local / "parquet"), f"{remote}/parquet"):
+        cfg = Config()
+        cfg.data = DataConfig(path=path)
+        summaries.append(inspect_dataset(cfg))
+    here, there = summaries
+    for key in ("samples_read", "samples_ok", "skipped", "skipped_files", "tokens", "image_tokens", "patches"):
+        assert there[key] == here[key], key
+    assert here["samples_ok"] == 24
