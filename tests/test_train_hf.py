@@ -1,6 +1,6 @@
 """Ray Train on a user's Hugging Face checkpoint (a tiny random Qwen2-VL): train, stop, resume, export.
 
-Two workers on the shared local cluster. The run stops at step 2, is re-run with the same
+Two workers on the shared local cluster, with DDP and with FSDP2 (gloo on CPU). The run stops at step 2, is re-run with the same
 output dir and resumes (model, optimizer and data position restored) to step 4; every
 sample trained is trained once, and OUTPUT_DIR/model is a Hugging Face checkpoint that
 ``from_pretrained`` loads, with weights that moved away from the starting checkpoint.
@@ -20,7 +20,8 @@ from tests.hf_checkpoints import make_qwen_checkpoint
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
     from transformers import AutoModelForImageTextToText
 
     from ray_mmbatch.train.trainer import run_training
@@ -38,6 +39,7 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path):
         c.train.checkpoint_every = c.train.report_every = 2
         c.train.ledger, c.train.lr, c.train.warmup_steps = True, 1e-3, 1
         c.train.output_dir = str(out)
+        c.train.fsdp = fsdp  # FSDP2 over gloo: sharded checkpoints per rank, full weights gathered to export
         return c
 
     first = run_training(cfg(2))

@@ -80,10 +80,7 @@ def configure(cfg):
 
 def token_ids(cfg) -> dict[str, int]:
     """vocab size, image token id and pad id of the run's tokenizer (call after ``configure``)."""
-    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.data.text import image_token_id, tokenizer_for
 
-    tok = load_tokenizer(cfg.text.tokenizer)
-    image_id = tok.convert_tokens_to_ids(cfg.text.image_token)
-    if image_id is None or image_id == tok.unk_token_id:
-        raise ValueError(f"tokenizer {cfg.text.tokenizer or '(shipped)'} has no image token {cfg.text.image_token!r}")
-    return {"vocab_size": len(tok), "image_token_id": int(image_id), "pad_id": int(tok.pad_token_id)}
+    tok = tokenizer_for(cfg.text)
+    return {"vocab_size": len(tok), "image_token_id": image_token_id(tok, cfg.text), "pad_id": int(tok.pad_token_id)}

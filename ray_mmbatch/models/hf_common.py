@@ -195,14 +195,14 @@ def export_hf(model: nn.Module, cfg, directory, state_dict: dict | None = None) 
     """save_pretrained of the model + the tokenizer, and the checkpoint's processor files copied.
 
     ``state_dict``: the full weights with ``hf_model.`` keys stripped (FSDP: gathered on rank 0)."""
-    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.data.text import tokenizer_for
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     hf = getattr(model, "module", model)
     hf = getattr(hf, "hf_model", hf)
     hf.save_pretrained(d, state_dict=state_dict)
-    load_tokenizer(cfg.text.tokenizer or cfg.model.path).save_pretrained(d)
+    tokenizer_for(cfg.text).save_pretrained(d)
     src = Path(cfg.model.path)
     for name in _SIDE_FILES:
         if (src / name).is_file() and not (d / name).exists():
