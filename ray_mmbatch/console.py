@@ -45,6 +45,8 @@ NOISE = re.compile("|".join((
     r"falling back to serialize as pickled python objects",   # an image column of structs, read as objects
     r"Failed to query Ray Train Controller actor state",
     r"Token authentication is enabled for this Ray cluster",
+    r"A new progress UI is available", r"PYTHON worker processes have been started on node",
+    r"To visualize your results with TensorBoard",
 )))
 # Python warnings of these categories come with a message line or two and the source line
 WARNING_HEADER = re.compile(r"\.py:\d+: (Ray)?DeprecationWarning: ")

@@ -10,8 +10,8 @@ In order, each step only when the one before passed:
 4. the tokenizer and the model settings load (``models.configure`` reads a checkpoint's
    config.json / processor files; ``models.token_ids`` loads the tokenizer).
 
-Runs in-process without Ray (the same stage objects as the pipeline, see ``local.py``);
-it reads one read unit and image headers only, a second or two.
+Runs in-process without Ray (the readers' read units and the pure measure step the
+pipeline runs); it reads the first read unit(s) and image headers only, a second or two.
 """
 from __future__ import annotations
 
@@ -77,12 +77,30 @@ def _configured(cfg: Config) -> Config:
 
 
 def _first_rows(cfg: Config, n: int, fmt: str) -> list[dict]:
-    from ray_mmbatch.local import _measured_rows
+    """The first ``n`` samples read and measured in-process: the pure measure step over the
+    readers' own read units (header reads only, no decode)."""
+    import pyarrow as pa
+
+    from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
+    from ray_mmbatch.data.text import tokenizer_for
+    from ray_mmbatch.readers import read_units
 
     try:
-        return [r for r in itertools.islice(_measured_rows(cfg, end_marker=False), n)]
+        units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
+        rows: list[dict] = []
+        for unit in units:
+            rows += read_fn(pa.Table.from_pylist([dict(unit, end=False)]), **kwargs).to_pylist()
+            if len(rows) >= n:
+                break
     except Exception as e:
         raise PreflightError(f"data: {cfg.data.path} does not read as {fmt}: {_one_line(e)}") from None
+    rows = rows[:n]
+    if not rows:
+        return []
+    batch = {k: [r[k] for r in rows] for k in rows[0]}
+    measured = fit_batch_to_budget(measure_batch(batch, cfg.image, tokenizer_for(cfg.text), cfg.text), cfg.budget)
+    return [{S.SAMPLE_ID: measured[S.SAMPLE_ID][i], S.SKIP_REASON: measured[S.SKIP_REASON][i]}
+            for i in range(len(measured[S.SAMPLE_ID]))]
 
 
 def _one_line(e: BaseException) -> str:

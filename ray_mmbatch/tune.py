@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import traceback
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,9 @@ def run_trial(params: dict[str, Any]) -> None:
     cfg.train.report_every = 1
     cfg.train.checkpoint_every = 0
     cfg.train.max_failures = 0
+    import ray
+
+    ray.data.DataContext.get_current().enable_progress_bars = False  # a trial has no terminal to draw on
     result: dict[str, Any] = {"status": "ok", "error": ""}
     try:
         build_trainer(cfg, run_name=name, callbacks=[TuneReportCallback()]).fit()
@@ -112,6 +116,8 @@ def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, mem
     param_space = {"setting": tune.grid_search(list(settings))}
     param_space.update(base=base_dict, out_dir=str(out), memory_limit_mb=memory_limit_mb,
                        warmup_steps=warmup_steps, steps=steps)
+    if not verbose:  # Tune's classic reporter at verbosity 0 prints nothing (the new one prints its header)
+        os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     tuner = tune.Tuner(
         tune.with_resources(run_trial, {"cpu": 0.1}),  # the trial only waits on its trainer
         param_space=param_space,
