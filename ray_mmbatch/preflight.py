@@ -16,7 +16,6 @@ pipeline runs); it reads the first read unit(s) and image headers only, a second
 from __future__ import annotations
 
 import copy
-import itertools
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
