@@ -118,6 +118,20 @@ def quiet_ray(verbose: bool = False, own_progress: bool = False) -> None:
                                    for n, h in dispatcher.handlers]
     except Exception:  # moved in another Ray version: Ray prints as usual
         pass
+    try:  # private API: messages the GCS pushes to the driver (raylet warnings) print through this
+        from ray._private import worker as ray_worker
+
+        if not getattr(ray_worker.print_to_stdstream, "_rmb_filtered", False):
+            original = ray_worker.print_to_stdstream
+
+            def print_filtered(data, ignore_prefix: bool) -> None:
+                lines = filter_lines(list(data.get("lines", [])))
+                if lines:
+                    original({**data, "lines": lines}, ignore_prefix)
+
+            ray_worker.print_to_stdstream = _mark(print_filtered)
+    except Exception:
+        pass
 
 
 def _filter_stderr() -> None:
