@@ -94,3 +94,30 @@ def test_quiet_console_drops_ray_noise_and_keeps_the_rest():
                  "mem 2.0 GB", "00:30 elapsed", "eta 00:30"):
         assert part in line, (part, line)
     assert "(50.0% of data)" in progress_line({**m, "progress": 0.5}, 0, 30.0)
+
+
+def test_progress_follows_the_metrics_file(tmp_path):
+    import io
+    import json
+
+    from ray_mmbatch.console import Progress, summary_table
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # an earlier run's line: not shown
+    for stream, sep in ((io.StringIO(), "\n"), (Tty(), "\r\033[K")):
+        with Progress(path, max_steps=10, stream=stream, interval=60) as p:
+            with open(path, "a") as f:
+                f.write(json.dumps({"step": 5, "loss": 2.0, "lr": 1e-3}) + "\n" + '{"step": 10, "lo')  # half a line
+            p.poll()
+            with open(path, "a") as f:
+                f.write('ss": 1.5}\n')
+        out = stream.getvalue()
+        assert out.count(sep) == 2 and "step  5/10" in out and "step 10/10  loss 1.500" in out and "loss 9" not in out
+        path.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
+    table = summary_table({"steps": 10, "samples": 50, "skipped": {"missing_file": 2}, "skipped_total": 2,
+                           "initial_loss": 9.0, "final_loss": 1.5, "checkpoint": "/x/ck"}, tmp_path)
+    assert "missing_file 2" in table and str(tmp_path / "summary.json") in table and "/x/ck" in table
