@@ -25,6 +25,9 @@ vs the budget, tokens truncated:
       of the window; reports the samples held after each window (mean / max)
       and the most windows any sample waited
   (f) planner speed, samples/s on one core (window 2048), with and without carry
+  (g) multi-budget speed: pack_best_fit_decreasing with max_patches = 2 * max_tokens
+      (the patch budget binds), at 4,096 and 16,384 tokens, window 2048, with and without
+      carry (samples that cannot fit alone at 4,096 are left out of that run)
 
     python benchmarks/bench_packing.py [--n 65536] [--json PATH]
 """
@@ -172,6 +175,17 @@ def main(argv=None):
                 st = _carried(tokens, patches, images, b, window, algo)
                 rows.append(_row(f"(e) {mode} {algo} + carry w={window}", st,
                                  speed=speed if window == 2048 else None))
+    multi = []
+    for mt in (4096, 16384):
+        fits = (tokens <= mt) & (patches <= 2 * mt)
+        t, p, m = tokens[fits], patches[fits], images[fits]
+        b = Budget(mt, "pack", max_patches=2 * mt)
+        st = _windowed(t, p, m, b, 2048, "pack_best_fit_decreasing")
+        multi.append({"max_tokens": mt, "max_patches": 2 * mt, "samples": int(fits.sum()), "fill": st["fill"],
+                      "patch_bound": int(math.ceil(int(p.sum()) / (2 * mt))), "batches": st["n_batches"],
+                      "samples_per_s": _speed(t, p, m, b, "pack_best_fit_decreasing", min_s=args.speed_seconds),
+                      "carry_samples_per_s": _speed(t, p, m, b, "pack_best_fit_decreasing",
+                                                    min_s=args.speed_seconds, carry=True)})
     print(f"n={args.n} samples, sum tokens={int(tokens.sum())}, mean={tokens.mean():.0f}, "
           f"max_tokens={MAX_TOKENS}")
     print(f"{'strategy':52s} {'fill':>7s} {'bfill':>7s} {'batches':>8s} {'LB':>6s} "
@@ -182,10 +196,15 @@ def main(argv=None):
               f"{r['lower_bound']:6d} {r['window_lower_bound'] or '':>7} {r['largest_vs_budget']:8.2f} {r['truncated_tokens']:9d} {sp}"
               + (" held mean {held_mean:.0f} max {held_max} (cap {cap:.0%}), waited <= {max_windows_waited}"
                  .format(**r["carry"]) if r["carry"] else ""))
+    print("(g) multi-budget pack_best_fit_decreasing, max_patches = 2 * max_tokens, window 2048")
+    for r in multi:
+        print(f"    max_tokens {r['max_tokens']:6d}: {r['samples']} samples, fill {r['fill']:.2%}, {r['batches']} batches "
+              f"(patch bound {r['patch_bound']}), {r['samples_per_s']:.0f} samples/s, "
+              f"{r['carry_samples_per_s']:.0f} with carry")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"n": args.n, "seed": args.seed, "max_tokens": MAX_TOKENS,
-                       "algorithms": sorted(ALGORITHMS), "rows": rows}, f, indent=1)
+                       "algorithms": sorted(ALGORITHMS), "rows": rows, "multi_budget": multi}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
 16384 tokens): fill 99.43% at window 2048 with 3202 batches where the sum of
 per-window lower bounds is 3201 (so at most 99.46% is possible there; carry
 across windows, batching/carry.py, reaches 99.84%); 98.0% at
-window 512, 99.81% at 8192; ~1.9M samples/s on one core. The pack default.
+window 512, 99.81% at 8192; ~2M samples/s on one core; ~0.3-0.55M with max_patches =
+2 x max_tokens binding (bench_packing.py (g)). The pack default.
 """
 from __future__ import annotations
 
@@ -71,11 +72,11 @@ _SCAN = 32  # batches tested one by one before the vectorized search
 class _SideRooms:
     """Patch / image / sample-count rooms of the open batches, for the multi-budget case.
 
-    The tightest token fit is one bisect; only when that batch lacks patch, image or count
-    room does ``tightest`` look further: the next _SCAN batches one by one, then with numpy over every open batch
-    (token, patch, image room arrays by batch id) instead of testing batches one by one:
-    the smallest token room that passes every check, then its first batch in list order, so
-    the plan is exactly the one-by-one scan's. Cost: O(open batches) vectorized per miss.
+    The tightest token fit is one bisect; when that batch lacks patch or image room,
+    ``tightest`` tests the next _SCAN batches one by one, then makes one numpy pass over
+    every open batch (token, patch, image room arrays by batch id): the smallest token
+    room that passes every check, then its first batch in list order - exactly the batch
+    the one-by-one scan would pick. Batches full by count leave the list (token room -inf).
     """
 
     def __init__(self, patches, images, budget: Budget, n: int):
