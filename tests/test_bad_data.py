@@ -299,3 +299,56 @@ def test_jsonl_named_json_gets_the_right_extension_named(tmp_path):
     (tmp_path / "data.json").write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"JSON Lines.*name it data\.jsonl"):
         read_units(str(tmp_path), DataConfig())
+
+
+# ------------------------------------------------------------------ samples that lost their image
+TEXT_ONLY = [{"from": "human", "value": "What is 2 + 2?"}, {"from": "gpt", "value": "4."}]
+
+
+def _reasons(skipped: dict[str, str]) -> dict[str, str]:
+    return {sid: why.split(":")[0] for sid, why in skipped.items()}
+
+
+def test_parquet_lost_images_are_placeholder_mismatch_and_columns_are_per_file(tmp_path):
+    # sorted first: a file without the images column (its text-only row trains, its <image> row is caught)
+    pq.write_table(pa.table({"conversations": pa.array([CONV, TEXT_ONLY])}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": png(), "path": "x.png"}], None], pa.list_(IMAGE_STRUCT)),
+                             "conversations": pa.array([CONV, CONV])}), tmp_path / "b.parquet")
+    trained, skipped = trained_and_skipped(tmp_path)
+    assert sorted(trained) == ["a.parquet:1", "b.parquet:0"]  # b's images were not dropped for a's schema
+    assert _reasons(skipped) == {"a.parquet:0": S.SKIP_PLACEHOLDER_MISMATCH, "b.parquet:1": S.SKIP_PLACEHOLDER_MISMATCH}
+
+
+def test_webdataset_lost_images_never_train_as_text(tmp_path):
+    record = json.dumps({"conversations": CONV}).encode()
+    buf = tmp_path / "s.tar"
+    with tarfile.open(buf, "w") as tar:
+        for name, data in (("ok.json", record), ("ok.png", png()), ("alone.json", record),
+                           ("text.json", json.dumps({"conversations": TEXT_ONLY}).encode()), ("link.json", record)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, kind in (("link.png", tarfile.SYMTYPE), ("dev.png", tarfile.CHRTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, "ok.png"
+            tar.addfile(info)
+        info = tarfile.TarInfo("dev.json")
+        info.size = len(record)
+        tar.addfile(info, io.BytesIO(record))
+    trained, skipped = trained_and_skipped(tmp_path)
+    assert sorted(trained) == ["s.tar/ok", "s.tar/text"]
+    assert _reasons(skipped) == {"s.tar/alone": S.SKIP_PLACEHOLDER_MISMATCH, "s.tar/link": S.SKIP_MISSING_FILE,
+                                 "s.tar/dev": S.SKIP_MISSING_FILE}
+    assert "symlink" in skipped["s.tar/link"]
+
+
+def test_llava_record_without_image_field(tmp_path):
+    (tmp_path / "a.png").write_bytes(png())
+    records = [{"id": "ok", "image": "a.png", "conversations": CONV}, {"id": "lost", "conversations": CONV},
+               {"id": "text", "conversations": TEXT_ONLY},
+               {"id": "answer", "conversations": [{"from": "human", "value": "How is an image marked?"},
+                                                  {"from": "gpt", "value": f"With {IMG}."}]}]
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    trained, skipped = trained_and_skipped(tmp_path)
+    assert sorted(trained) == ["data.json:0#ok", "data.json:2#text", "data.json:3#answer"]
+    assert _reasons(skipped) == {"data.json:1#lost": S.SKIP_PLACEHOLDER_MISMATCH}

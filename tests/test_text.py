@@ -69,9 +69,11 @@ def test_placeholders_mark_image_slots_only_in_user_turns_with_images(tok):
                                  "<|im_start|>assistant\nBoth <image>.<|im_end|>\n")
     pad = special_ids(tok)[S.IMAGE_PAD]
     assert (ids == pad).sum() == 2 and not target[ids == pad].any()
-    # without images <image> is plain text
-    ids, _ = enc1(tok, [turn("human", "<image> hi"), turn("gpt", "ok")], 0)
-    assert (ids == pad).sum() == 0 and "<image> hi" in decoded(tok, ids)
+    # a user <image> without an image is a sample that lost its image: skipped, never trained as text
+    r = enc1(tok, [turn("human", "<image> hi"), turn("gpt", "ok")], 0)
+    assert isinstance(r, TextSkip) and r.reason == S.SKIP_PLACEHOLDER_MISMATCH
+    ids, _ = enc1(tok, [turn("human", "hi"), turn("gpt", "<image> is how LLaVA marks one")], 0)
+    assert (ids == pad).sum() == 0 and "<image> is how" in decoded(tok, ids)
 
 
 def test_missing_placeholders_are_inserted(tok):
@@ -128,8 +130,9 @@ def test_bad_text_reasons(tok):
 
 
 def test_batched_equals_one_by_one(tok):
-    convs = [[turn("human", f"Question {i} <image>"), turn("gpt", f"Answer number {i}.")] for i in range(20)]
     k = [i % 2 for i in range(20)]
+    convs = [[turn("human", f"Question {i}" + " <image>" * k[i]), turn("gpt", f"Answer number {i}.")]
+             for i in range(20)]
     batched = encode_conversations(convs, k, tok)
     for c, n, (ids, target) in zip(convs, k, batched):
         ids1, target1 = enc1(tok, c, n)

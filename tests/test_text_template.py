@@ -165,9 +165,10 @@ def test_data_text_never_becomes_special_tokens(cfg):
     assert (n_ids == image_token_id(tok, cfg)).sum() == 1
     answers = tok.decode(n_ids[n_target == 1].tolist())
     assert answers.count(NASTY) == 2 and answers.count(NASTY + "<image>") == 1
-    # no image: <image> in a user turn is plain text too
-    ids, _ = enc1(cfg, [turn("human", "<image> hi"), turn("gpt", "ok")], 0)
-    assert (ids == image_token_id(tok, cfg)).sum() == 0 and "<image> hi" in tok.decode(ids.tolist())
+    # no image: <image> in a user turn is a sample that lost its image (skipped); in an answer, plain text
+    assert enc1(cfg, [turn("human", "<image> hi"), turn("gpt", "ok")], 0).reason == S.SKIP_PLACEHOLDER_MISMATCH
+    ids, _ = enc1(cfg, [turn("human", "hi"), turn("gpt", "<image> ok")], 0)
+    assert (ids == image_token_id(tok, cfg)).sum() == 0 and "<image> ok" in tok.decode(ids.tolist())
 
 
 def test_role_spellings_give_identical_ids(cfg):
@@ -201,8 +202,8 @@ def test_placeholder_rules_and_skips(cfg):
 
 def test_batched_equals_one_by_one(cfg):
     tok = tokenizer_for(cfg)
-    convs = [c for c, _, _ in CASES] * 3 + [[turn("human", f"Question {i} <image>"), turn("gpt", f"Answer {i}.")]
-                                            for i in range(10)]
+    convs = [c for c, _, _ in CASES] * 3 + [[turn("human", f"Question {i}" + " <image>" * (i % 2)),
+                                             turn("gpt", f"Answer {i}.")] for i in range(10)]
     k = [n for _, n, _ in CASES] * 3 + [i % 2 for i in range(10)]
     batched = encode_conversations(convs, k, tok, image_token=cfg.image_token)
     for c, n, (ids, target) in zip(convs, k, batched):

@@ -54,7 +54,7 @@ from ray_mmbatch.data.errors import SampleSkip
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
 # the one place roles are matched (case-insensitively): LLaVA human/gpt, OpenAI user/assistant
-_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}  # of schema.canonical_role's names
 _USER, _ASSISTANT = "user", "assistant"
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")  # private-use code points: no template writes them
 _MAX_SHAPES = 8192  # cached layouts per tokenizer
@@ -265,7 +265,7 @@ def _turns(conv: Any, n_images: int) -> list[tuple[str, str]]:
         role_key, content_key = ("from", "value") if "from" in t else ("role", "content")
         if role_key not in t or content_key not in t:
             raise TextSkip(S.SKIP_MALFORMED_RECORD, f"turn {i} needs from/value or role/content, has {sorted(t)}")
-        role = _ROLES.get(t[role_key].strip().lower()) if isinstance(t[role_key], str) else None
+        role = _ROLES.get(S.canonical_role(t[role_key]))
         if role is None:
             raise TextSkip(S.SKIP_MALFORMED_RECORD, f"turn {i}: unknown role {t[role_key]!r}")
         content = t[content_key]
@@ -276,9 +276,12 @@ def _turns(conv: Any, n_images: int) -> list[tuple[str, str]]:
         except UnicodeEncodeError as e:
             raise TextSkip(S.SKIP_TEXT_ENCODING, f"turn {i}: {e.reason} at {e.start}") from None
         turns.append((role, content))
-    if n_images <= 0:
-        return turns
+    # The placeholder rule (one place): user turns hold exactly one <image> per image, or none (then
+    # the images go first in the first user turn). More placeholders than images - a sample that lost
+    # its image on the way (null column, missing member or field) - is skipped, never trained as text.
     found = sum(c.count(S.IMAGE_PLACEHOLDER) for r, c in turns if r == _USER)
+    if n_images <= 0 and not found:
+        return turns
     if found == 0:  # HF datasets convention: images go first in the first user turn
         slots = S.IMAGE_PLACEHOLDER * n_images
         first_user = next((i for i, (r, _) in enumerate(turns) if r == _USER), None)
