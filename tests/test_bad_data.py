@@ -352,3 +352,13 @@ def test_llava_record_without_image_field(tmp_path):
     trained, skipped = trained_and_skipped(tmp_path)
     assert sorted(trained) == ["data.json:0#ok", "data.json:2#text", "data.json:3#answer"]
     assert _reasons(skipped) == {"data.json:1#lost": S.SKIP_PLACEHOLDER_MISMATCH}
+
+
+def test_webdataset_key_repeated_later_in_one_shard_is_another_sample(tmp_path):
+    record = json.dumps({"conversations": CONV}).encode()
+    write_tar(tmp_path / "s.tar", [("a.json", record), ("a.png", png(40)), ("b.json", record), ("b.png", png(41)),
+                                   ("a.json", record), ("a.png", png(42))])
+    rows = raw_rows(tmp_path)
+    assert [r[S.SAMPLE_ID] for r in rows] == ["s.tar/a", "s.tar/b", "s.tar/a~2"]
+    assert [len(r[S.IMAGES]) for r in rows] == [1, 1, 1] and rows[0][S.IMAGES] != rows[2][S.IMAGES]
+    assert count_samples(str(tmp_path), DataConfig()) == 3

@@ -15,7 +15,8 @@ samples before the cut, skips the one being read (malformed_record) and ends wit
 no permission) is one skipped-file row. Member names that are not UTF-8 are escaped.
 
 Id scheme: ``<shard relative to the dataset root>/<key>`` (keys that restart in every
-shard stay apart), plus ``#<id>`` when the JSON's id differs from the key.
+shard stay apart; a key met again later in the same shard, not next to its first run of
+members, is another sample: ``<key>~2``), plus ``#<id>`` when the JSON's id differs from the key.
 Pure module: no ray.
 """
 from __future__ import annotations
@@ -57,7 +58,7 @@ def scan(stream, rel: str, max_bytes: int, read: bool = True) -> tuple[dict, dic
     """Stream a tar: ({key: [(index, ext, name, bytes)]}, {key: read_error}, tail error or "")."""
     groups: dict[str, list] = {}
     problems: dict[str, str] = {}
-    current, tail = None, ""
+    current, tail, last, seen = None, "", None, {}
     try:
         with tarfile.open(fileobj=stream, mode="r|*") as archive:
             for member in archive:
@@ -67,6 +68,10 @@ def scan(stream, rel: str, max_bytes: int, read: bool = True) -> tuple[dict, dic
                 if name.rpartition("/")[2].startswith("."):  # hidden (macOS ._*): not data
                     continue
                 key, index, ext = split_member(name)
+                if key != last:  # a sample's members are consecutive; a key met again later is another
+                    seen[key] = seen.get(key, 0) + 1  # sample (concatenated writers): "KEY~2", "KEY~3"
+                    last = key
+                key = key if seen[key] == 1 else f"{key}~{seen[key]}"
                 members = groups.setdefault(key, [])
                 if not member.isfile():
                     problems.setdefault(key, error(schema.SKIP_MISSING_FILE,
