@@ -21,13 +21,14 @@ from ray_mmbatch.config import Config
 
 
 def _raw_rows(cfg: Config, end_marker: bool) -> Iterator[dict[str, Any]]:
-    from ray_mmbatch.readers import end_marker_row, read_units
+    from ray_mmbatch.readers import read_units, read_with_position
 
     units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
-    for unit in units:
-        yield from read_fn(pa.Table.from_pylist([dict(unit, end=False)]), **kwargs).to_pylist()
+    units = [dict(u, end=False, **{S.UNIT: i}) for i, u in enumerate(units)]
     if end_marker:
-        yield end_marker_row()
+        units.append({**units[-1], "end": True} if units else {"end": True, S.UNIT: -1})
+    for unit in units:
+        yield from read_with_position(pa.Table.from_pylist([unit]), read_fn, kwargs).to_pylist()
 
 
 def _chunks(rows: Iterator[dict[str, Any]], size: int) -> Iterator[dict[str, list]]:
@@ -65,7 +66,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     """
     from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.models import configure, token_ids
-    from ray_mmbatch.pipeline import PLAN, CarryPlanStage, MaterializeStage, plan_rows, uses_carry
+    from ray_mmbatch.pipeline import CarryPlanStage, MaterializeStage, plan_rows, uses_carry
 
     cfg = configure(copy.deepcopy(cfg))
     if not cfg.data.path:
@@ -78,8 +79,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     for window in _chunks(_measured_rows(cfg, end_marker=carry), max(1, cfg.budget.window)):
         plans = planner(window) if carry else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):
-            one = {S.BATCH_ID: [plans[S.BATCH_ID][i]], PLAN: [plans[PLAN][i]],
-                   S.BATCH_SKIPPED: [plans[S.BATCH_SKIPPED][i]]}
+            one = {k: [v[i]] for k, v in plans.items()}
             row = {k: v[0] for k, v in materialize(one).items()}
             skipped = json.loads(row[S.BATCH_SKIPPED])
             if with_skips and skipped:

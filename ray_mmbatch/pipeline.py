@@ -2,10 +2,11 @@
 
 ::
 
-    read_raw (readers.py)            RAW rows, bytes only (+ one end-of-stream row when carrying)
+    read_raw (readers.py)            RAW rows, bytes only, each with its read position (unit, row);
+                                     + one end-of-stream row when carrying. Resume: units the epoch
+                                     finished are not read, done rows of units in flight are dropped
+                                     as they are read (data/position.py), so none is measured or decoded
       .map_batches(MeasureStage)     + token ids, grids, costs, skip_reason; oversize policy applied
-      .map_batches(drop_samples)     resume: samples this epoch trained before the checkpoint are
-                                     dropped before planning, so none of their pixels is decoded
       .map_batches(CarryPlanStage,   one PLAN row per batch; windows of `budget.window` samples, under-
                    batch_size=W)     filled batches held back into the next window (see below)
       .map_batches(MaterializeStage, one BATCH row per batch: decode + resize + patchify + collate
@@ -35,10 +36,9 @@ import hashlib
 import json
 import pickle
 import warnings
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import ray
 
 from ray_mmbatch import schema as S
@@ -71,6 +71,7 @@ class MeasureStage:
         from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
 
         measured = measure_batch(batch, self.image_cfg, self.tok, self.text_cfg)
+        measured.update({c: batch[c] for c in S.READ_POSITION_COLUMNS if c in batch})
         return measured if self.budget_cfg is None else fit_batch_to_budget(measured, self.budget_cfg)
 
 
@@ -79,8 +80,18 @@ def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
     return [{k: v[i] for k, v in batch.items()} for i in range(n)]
 
 
-def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[list[str]], str, bool]:
-    """(usable rows, [id, reason] of skipped rows, window key, end-of-stream seen) of one window."""
+def _position(row: dict) -> tuple[int, int]:
+    """(read position, rows of its unit) of a measured row; (-1, 0) for a row without one."""
+    from ray_mmbatch.data.position import encode_positions
+
+    if S.UNIT not in row:
+        return -1, 0
+    return int(encode_positions([row[S.UNIT]], [row[S.UNIT_ROW]])[0]), int(row[S.UNIT_ROWS])
+
+
+def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[list], str, bool]:
+    """(usable rows, [id, reason, position, unit rows] of skipped rows, window key, end-of-stream
+    seen) of one window."""
     from ray_mmbatch.readers import is_end_marker
 
     rows = _rows(batch)
@@ -89,7 +100,7 @@ def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[list[str]], s
         rows = [r for r in rows if not is_end_marker(r[S.SAMPLE_ID], r[S.SKIP_REASON])]
     window_key = str(rows[0][S.SAMPLE_ID]) if rows else ("end" if end else "empty")
     ok = [_plain(r) for r in rows if not r[S.SKIP_REASON]]
-    skipped = [[str(r[S.SAMPLE_ID]), str(r[S.SKIP_REASON])] for r in rows if r[S.SKIP_REASON]]
+    skipped = [[str(r[S.SAMPLE_ID]), str(r[S.SKIP_REASON]), *_position(r)] for r in rows if r[S.SKIP_REASON]]
     return ok, skipped, window_key, end
 
 
@@ -109,14 +120,6 @@ def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key
         out[PLAN].append(pickle.dumps(members, protocol=5))
         out[S.BATCH_SKIPPED].append(json.dumps(skipped if j == 0 else []))
     return out
-
-
-def drop_samples(table: pa.Table, sample_ids: pa.Array) -> pa.Table:
-    """Rows of an Arrow block whose sample id is not in ``sample_ids`` (vectorized: resume filter)."""
-    import pyarrow.compute as pc
-
-    hit = pc.is_in(table.column(S.SAMPLE_ID).cast(pa.string()), value_set=sample_ids)
-    return table.filter(pc.invert(hit))
 
 
 def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch: int) -> dict[str, list]:
@@ -188,9 +191,10 @@ class MaterializeStage:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in (
             S.BATCH_ID, S.BATCH_SAMPLE_IDS, S.BATCH_PAYLOAD, S.BATCH_REAL_TOKENS, S.BATCH_PADDED_TOKENS,
-            S.BATCH_TARGET_TOKENS, S.BATCH_N_SAMPLES, S.BATCH_SKIPPED)}
+            S.BATCH_TARGET_TOKENS, S.BATCH_N_SAMPLES, S.BATCH_SKIPPED, S.BATCH_POSITIONS,
+            S.BATCH_POSITION_UNIT_ROWS)}
         for i in range(len(batch[S.BATCH_ID])):
-            row = materialize_plan_row(pickle.loads(batch[PLAN][i]), json.loads(batch[S.BATCH_SKIPPED][i]),
+            row = materialize_plan_row(pickle.loads(batch[PLAN][i]), json.loads(str(batch[S.BATCH_SKIPPED][i])),
                                        self.image_cfg, self.budget_cfg, self.pad_id)
             row[S.BATCH_ID] = str(batch[S.BATCH_ID][i])
             for k in out:
@@ -200,18 +204,22 @@ class MaterializeStage:
 
 def materialize_plan_row(members: list[dict], skipped: list, image_cfg: ImageConfig,
                          budget_cfg: BudgetConfig, pad_id: int) -> dict[str, Any]:
-    """Pure: the measured rows of one planned batch -> the fields of a BATCH row."""
+    """Pure: the measured rows of one planned batch -> the fields of a BATCH row.
+
+    ``skipped``: [sample id, reason(, read position, unit rows)] entries carried from the plan.
+    """
     from ray_mmbatch.batching.collate import collate_pack, collate_pad, encode_batch
     from ray_mmbatch.data.image import ImageSkip
     from ray_mmbatch.data.measure import materialize_sample
 
-    samples = []
-    skipped = list(skipped)
+    samples, positions = [], []
+    skipped = [list(s) + [-1, 0][len(s) - 2:] for s in skipped]
     for r in members:
         try:
             samples.append(materialize_sample(r, image_cfg))
+            positions.append(_position(r))
         except ImageSkip as e:
-            skipped.append([str(r[S.SAMPLE_ID]), f"{e.reason}: {e}"])
+            skipped.append([str(r[S.SAMPLE_ID]), f"{e.reason}: {e}", *_position(r)])
     if samples:
         collate = collate_pack if budget_cfg.mode == "pack" else collate_pad
         b = collate(samples, pad_id)
@@ -228,7 +236,9 @@ def materialize_plan_row(members: list[dict], skipped: list, image_cfg: ImageCon
         S.BATCH_PADDED_TOKENS: padded,
         S.BATCH_TARGET_TOKENS: target,
         S.BATCH_N_SAMPLES: len(samples),
-        S.BATCH_SKIPPED: json.dumps(skipped),
+        S.BATCH_SKIPPED: json.dumps([s[:2] for s in skipped]),
+        S.BATCH_POSITIONS: [p for p, _ in positions] + [int(s[2]) for s in skipped],
+        S.BATCH_POSITION_UNIT_ROWS: [n for _, n in positions] + [int(s[3]) for s in skipped],
     }
 
 
@@ -245,15 +255,17 @@ def uses_carry(budget_cfg: BudgetConfig) -> bool:
     return resolve_carry(budget_cfg.mode, budget_cfg.carry) > 0
 
 
-def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end_marker: bool = False):
+def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end_marker: bool = False,
+                     done=None):
     """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
 
     Epochs after the first read their units (row groups / shards / chunks) in a seeded order.
+    ``done`` (data.position.EpochPosition): what this epoch trained already, left out at read.
     """
     from ray_mmbatch.readers import read_raw
 
     shuffle = cfg.train.seed + epoch if cfg.train.seed is not None and epoch > 0 else None
-    ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=shuffle, end_marker=end_marker)
+    ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=shuffle, end_marker=end_marker, done=done)
     return ds.map_batches(
         MeasureStage, batch_size=cfg.data.measure_batch, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget if apply_budget else None),
@@ -262,24 +274,20 @@ def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end
     )
 
 
-def batch_dataset(cfg: Config, pad_id: int, consumed: Iterable[str] = (), epoch: int = 0):
+def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch: int = 0):
     """The whole data path of one epoch for training: one BATCH row per planned batch.
 
-    ``consumed`` holds consumed_key(epoch, sample_id) of the samples already trained
-    (resume): this epoch's are filtered out after measuring and before planning, so a
-    resumed run decodes none of them and re-plans only what is left, whatever window
+    ``position`` (resume) is a checkpoint's data position (data.position.DataPosition's
+    state_dict): what this epoch trained is left out as it is read, so a resumed run
+    measures and decodes none of it and re-plans only what is left, whatever window
     boundaries Ray Data draws. Epoch e reads its units in a seeded order and plans with
     seeds of its own; batch ids start with ``e{epoch}/``.
     """
-    prefix = S.consumed_key(epoch, "")
-    done = frozenset(k[len(prefix):] for k in consumed if k.startswith(prefix))
+    from ray_mmbatch.data.position import DataPosition
+
+    done = DataPosition.from_state(position).epochs.get(epoch)
     carry = uses_carry(cfg.budget)
-    measured = measured_dataset(cfg, epoch, end_marker=carry)
-    if done:
-        measured = measured.map_batches(drop_samples, batch_format="pyarrow", batch_size=None,
-                                        fn_kwargs={"sample_ids": pa.array(sorted(done), pa.string())},
-                                        num_cpus=PLAN_CPUS,
-                                        **_stage_args(cfg))
+    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done)
     if carry:  # one actor: one carry, fed the windows in stream order
         with warnings.catch_warnings():
             # Ray Data lets actor tasks run out of order by default; the carry needs windows in

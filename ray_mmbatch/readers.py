@@ -75,18 +75,48 @@ def read_units(path: str, data_cfg: DataConfig):
     return units, read_unit_table, {"fmt": fmt, "data_cfg": data_cfg}
 
 
+def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -> pa.Table:
+    """Read a table of units with ``read_fn``, appending each row's read position
+    (schema.READ_POSITION_COLUMNS: the unit's index in the sorted listing, the row in it, the
+    unit's row count; the end-of-stream row is unit -1). ``done`` (data.position.EpochPosition,
+    resume): finished units are not read, rows already trained are dropped here."""
+    import numpy as np
+
+    tables = []
+    for i in range(units.num_rows):
+        unit = units.slice(i, 1)
+        uid = -1 if unit.column("end")[0].as_py() else int(unit.column(schema.UNIT)[0].as_py())
+        if done is not None and done.unit_finished(uid):
+            continue
+        t = read_fn(unit, **read_kwargs)
+        n = t.num_rows
+        t = (t.select(list(schema.RAW_COLUMNS)).append_column(schema.UNIT, pa.array(np.full(n, uid, np.int64)))
+             .append_column(schema.UNIT_ROW, pa.array(np.arange(n, dtype=np.int64)))
+             .append_column(schema.UNIT_ROWS, pa.array(np.full(n, n, np.int64))))
+        keep = done.rows_to_read(uid, n) if done is not None and uid >= 0 else None
+        tables.append(t if keep is None else t.filter(pa.array(keep)))
+    if not tables:
+        empty = rows_to_table([])
+        return empty.select(list(schema.RAW_COLUMNS)).append_column(schema.UNIT, pa.array([], pa.int64())) \
+            .append_column(schema.UNIT_ROW, pa.array([], pa.int64())).append_column(schema.UNIT_ROWS, pa.array([], pa.int64()))
+    return pa.concat_tables(tables)
+
+
 def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
-             shuffle_seed: int | None = None, end_marker: bool = False) -> ray.data.Dataset:
-    """A Dataset of RAW rows (schema.RAW_COLUMNS) for a Parquet / WebDataset / LLaVA path.
+             shuffle_seed: int | None = None, end_marker: bool = False, done=None) -> ray.data.Dataset:
+    """A Dataset of RAW rows (schema.RAW_COLUMNS + READ_POSITION_COLUMNS) for a Parquet / WebDataset / LLaVA path.
 
     ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
     *.tar -> webdataset; a single file by its extension. ``shuffle_seed`` permutes the read
-    units; ``end_marker`` appends the end-of-stream row (see the module docstring).
+    units; ``end_marker`` appends the end-of-stream row (see the module docstring); ``done``
+    (resume) leaves out what an epoch already trained (see read_with_position).
     """
     units, read_fn, kwargs = read_units(path, data_cfg)
+    units = [dict(u, **{schema.UNIT: i}) for i, u in enumerate(units)]  # index in the sorted listing
     ds = _units_dataset(units, override_num_blocks, shuffle_seed, end_marker)
-    ds = ds.map_batches(read_fn, fn_kwargs=kwargs, batch_format="pyarrow", batch_size=1)
-    return ds.select_columns(list(schema.RAW_COLUMNS))
+    ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done},
+                        batch_format="pyarrow", batch_size=1)
+    return ds.select_columns(list(schema.RAW_COLUMNS + schema.READ_POSITION_COLUMNS))
 
 
 def count_samples(path: str, data_cfg: DataConfig) -> int:

@@ -21,6 +21,13 @@ READ_ERROR = "read_error"        # str: "" when the record was read fine, else a
 
 RAW_COLUMNS = (SAMPLE_ID, CONVERSATIONS, IMAGES, IMAGE_REFS, READ_ERROR)
 
+# Where a RAW row was read (appended by readers.read_with_position; data/position.py):
+# the resume state is kept per read unit, never per sample.
+UNIT = "unit"                    # int64: the read unit's index in the sorted unit list (-1: end-of-stream row)
+UNIT_ROW = "unit_row"            # int64: the row's index within its read unit
+UNIT_ROWS = "unit_rows"          # int64: rows the read unit holds
+READ_POSITION_COLUMNS = (UNIT, UNIT_ROW, UNIT_ROWS)
+
 # ----------------------------------------------------------- MEASURED row
 # RAW columns plus (data/measure.py):
 TEXT_IDS = "text_ids"            # list<int32>: token ids, ONE IMAGE_PAD token per image (not yet expanded)
@@ -80,6 +87,9 @@ BATCH_PADDED_TOKENS = "padded_tokens"  # int: tokens of compute the batch occupi
 BATCH_TARGET_TOKENS = "target_tokens"  # int: tokens with a label (loss normalizer)
 BATCH_N_SAMPLES = "n_samples"          # int
 BATCH_SKIPPED = "skipped"              # str: JSON list of [sample_id, reason] dropped while materializing
+BATCH_POSITIONS = "positions"          # list<int64>: read position (data/position.py) of each sample id, then of
+                                       # each skipped entry, in that order (-1: none)
+BATCH_POSITION_UNIT_ROWS = "position_unit_rows"  # list<int64>: row count of each position's read unit
 
 # ---------------------------------------------------------- special tokens
 # The shipped tokenizer (assets/tokenizer) has these; any other HF tokenizer gets
@@ -130,7 +140,3 @@ def epoch_dataset_name(epoch: int) -> str:
     """The Ray Train dataset name of one epoch's stream (one dataset per epoch, train/trainer.py)."""
     return f"train_e{epoch}"
 
-
-def consumed_key(epoch: int, sample_id: str) -> str:
-    """What a checkpoint records for a trained sample: the sample id within its epoch."""
-    return f"e{epoch}:{sample_id}"

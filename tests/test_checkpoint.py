@@ -30,11 +30,11 @@ def _opt(model):
 def test_round_trip_restores_model_optimizer_and_state(tmp_path):
     m = _model(0)
     opt, sched = _opt(m)
-    ckpt.save_checkpoint(tmp_path / "a", m, opt, sched, {"step": 5, "consumed": ["x", "y"]})
+    ckpt.save_checkpoint(tmp_path / "a", m, opt, sched, {"step": 5, "position": {"epochs": {"0": "xy"}}})
     m2 = _model(1)
     opt2, sched2 = _opt(m2)
     state = ckpt.load_checkpoint(tmp_path / "a", m2, opt2, sched2)
-    assert state == {"step": 5, "consumed": ["x", "y"]}
+    assert state == {"step": 5, "position": {"epochs": {"0": "xy"}}}
     for p, q in zip(m.parameters(), m2.parameters()):
         assert torch.equal(p, q)
     assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
@@ -51,7 +51,7 @@ SAVE_WITH_FULL_DISK = textwrap.dedent("""
     opt = torch.optim.AdamW(m.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     try:
-        ckpt.save_checkpoint({target!r}, m, opt, sched, {{"step": 9, "consumed": []}})
+        ckpt.save_checkpoint({target!r}, m, opt, sched, {{"step": 9, "position": None}})
     except (OSError, RuntimeError) as e:
         print("save failed:", type(e).__name__)
         sys.exit(3)
@@ -61,8 +61,8 @@ SAVE_WITH_FULL_DISK = textwrap.dedent("""
 def test_storage_full_during_save_keeps_previous_checkpoint(tmp_path):
     m = _model(0)
     opt, sched = _opt(m)
-    ckpt.save_checkpoint(tmp_path / "good", m, opt, sched, {"step": 4, "consumed": ["a"]})
-    ckpt.write_latest(tmp_path, str(tmp_path / "good"), {"step": 4, "consumed": ["a"]})
+    ckpt.save_checkpoint(tmp_path / "good", m, opt, sched, {"step": 4, "position": {"epochs": {"0": "a"}}})
+    ckpt.write_latest(tmp_path, str(tmp_path / "good"), {"step": 4, "position": {"epochs": {"0": "a"}}})
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = SAVE_WITH_FULL_DISK.format(root=root, target=str(tmp_path / "new"))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -72,7 +72,7 @@ def test_storage_full_during_save_keeps_previous_checkpoint(tmp_path):
         ckpt.load_checkpoint(tmp_path / "new", _model(2))
     m2 = _model(3)
     assert ckpt.load_checkpoint(tmp_path / "good", m2)["step"] == 4
-    assert ckpt.read_latest_consumed(tmp_path) == ["a"]
+    assert ckpt.read_latest_position(tmp_path) == {"epochs": {"0": "a"}}
 
 
 def test_crash_between_files_leaves_no_checkpoint_that_looks_complete(tmp_path):
@@ -80,7 +80,7 @@ def test_crash_between_files_leaves_no_checkpoint_that_looks_complete(tmp_path):
     and by rename, so the directory is never taken for a checkpoint."""
     m = _model(0)
     opt, sched = _opt(m)
-    ckpt.save_checkpoint(tmp_path / "prev", m, opt, sched, {"step": 2, "consumed": []})
+    ckpt.save_checkpoint(tmp_path / "prev", m, opt, sched, {"step": 2, "position": None})
     code = textwrap.dedent(f"""
         import os, signal, sys, torch
         sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
@@ -100,14 +100,14 @@ def test_crash_between_files_leaves_no_checkpoint_that_looks_complete(tmp_path):
     assert ckpt.load_checkpoint(tmp_path / "prev", _model(1))["step"] == 2
 
 
-def test_read_latest_consumed_prefers_the_checkpoint_ray_restores(tmp_path):
+def test_read_latest_position_prefers_the_checkpoint_ray_restores(tmp_path):
     m = _model(0)
     opt, sched = _opt(m)
     run = tmp_path / "storage" / "run"
-    ckpt.save_checkpoint(run / "checkpoint_b", m, opt, sched, {"step": 8, "consumed": ["s1", "s2"]})
+    ckpt.save_checkpoint(run / "checkpoint_b", m, opt, sched, {"step": 8, "position": {"epochs": {"0": "s1s2"}}})
     (run / "checkpoint_manager_snapshot.json").write_text(json.dumps(
         {"latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_b"}}))
-    ckpt.write_latest(tmp_path, "older", {"step": 4, "consumed": ["s1"]})
-    assert ckpt.read_latest_consumed(tmp_path, run) == ["s1", "s2"]
-    assert ckpt.read_latest_consumed(tmp_path, tmp_path / "nowhere") == ["s1"]
-    assert ckpt.read_latest_consumed(tmp_path / "empty") == []
+    ckpt.write_latest(tmp_path, "older", {"step": 4, "position": {"epochs": {"0": "s1"}}})
+    assert ckpt.read_latest_position(tmp_path, run) == {"epochs": {"0": "s1s2"}}
+    assert ckpt.read_latest_position(tmp_path, tmp_path / "nowhere") == {"epochs": {"0": "s1"}}
+    assert ckpt.read_latest_position(tmp_path / "empty") is None

@@ -126,21 +126,29 @@ def test_deterministic_mode_repeats_batches(ray_cluster, bad_webdataset):
 
 
 def test_resume_filter_drops_consumed_samples_before_planning(ray_cluster, bad_webdataset):
+    from ray_mmbatch.data.position import DataPosition
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
 
     path, _ = bad_webdataset
     cfg = _cfg(path, "webdataset", mode="pack", max_tokens=2048)
     set_deterministic(True)
     pad_id = tokenizer_ids(cfg)["pad_id"]
-    full = [list(r[S.BATCH_SAMPLE_IDS]) for r in batch_dataset(cfg, pad_id).take_all()]
+    rows = batch_dataset(cfg, pad_id).take_all()
+    full = [list(r[S.BATCH_SAMPLE_IDS]) for r in rows]
     consumed = [sid for batch in full[::3] for sid in batch]
-    keys = [S.consumed_key(0, sid) for sid in consumed] + [S.consumed_key(1, sid) for sid in full[1]]
-    rest = [sid for r in batch_dataset(cfg, pad_id, consumed=keys).take_all() for sid in r[S.BATCH_SAMPLE_IDS]]
+    # the data position a checkpoint would hold: epoch 0 trained full[::3], epoch 1 full[1]
+    position = DataPosition()
+    for epoch, trained in ((0, rows[::3]), (1, rows[1:2])):
+        for r in trained:
+            n = int(r[S.BATCH_N_SAMPLES])
+            position.add(epoch, r[S.BATCH_POSITIONS][:n], r[S.BATCH_POSITION_UNIT_ROWS][:n])
+    state = position.state_dict()
+    rest = [sid for r in batch_dataset(cfg, pad_id, position=state).take_all() for sid in r[S.BATCH_SAMPLE_IDS]]
     assert consumed and rest
     assert sorted(rest + consumed) == sorted(sid for batch in full for sid in batch)
     assert not set(rest) & set(consumed)
     # epoch 1 has its own record: what epoch 0 trained is all there again
-    epoch1 = batch_dataset(cfg, pad_id, consumed=keys, epoch=1).take_all()
+    epoch1 = batch_dataset(cfg, pad_id, position=state, epoch=1).take_all()
     assert all(r[S.BATCH_ID].startswith("e1/") for r in epoch1)
     assert sorted(s for r in epoch1 for s in r[S.BATCH_SAMPLE_IDS]) == sorted(
         set(sid for batch in full for sid in batch) - set(full[1]))

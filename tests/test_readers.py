@@ -41,7 +41,7 @@ def _read(path, cfg=None, blocks=None) -> list[dict]:
 def test_reads_back_every_sample_with_its_bytes(ray_cluster, datasets, key):
     manifest = json.loads((datasets[key] / "manifest.json").read_text())
     rows = _read(datasets[key], CAPTION_CFG if key == "caption" else None, blocks=3)
-    assert list(rows[0]) == list(schema.RAW_COLUMNS)
+    assert list(rows[0]) == list(schema.RAW_COLUMNS + schema.READ_POSITION_COLUMNS)
     assert [r[schema.SAMPLE_ID] for r in rows] == manifest["ids"]  # each once, in written order
     written = [_build(e, SEED, key) for e in plan_entries(SAMPLES, SEED, key, BAD)]
     for row, sample in zip(rows, written):

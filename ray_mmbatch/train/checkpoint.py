@@ -2,9 +2,11 @@
 
 A checkpoint directory holds ``model.pt``, ``optim.pt`` (optimizer + scheduler)
 and ``state.json`` (step, counters, and the data position). The data position
-is the set of sample ids already trained: a resumed run drops exactly those
-samples before planning and trains every other one, on whatever rank, even if
-Ray Data draws its windows differently this time.
+(data/position.py) says, per epoch and read unit, which rows were trained or
+reported: finished units as a bitmap, units in flight as row bitmaps, so its size
+follows the units in flight, not the samples. A resumed run leaves exactly those
+rows out as it reads and trains every other one, on whatever rank, even if Ray
+Data draws its windows differently this time.
 
 Every file is written to a temporary name and renamed, ``state.json`` last: a
 directory without ``state.json`` is not a checkpoint, so a save that dies half
@@ -108,12 +110,12 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer=Non
 
 def write_latest(output_dir: str | Path, checkpoint_path: str, state: dict[str, Any]) -> None:
     """Point at the newest complete checkpoint, with its data position (read by the dataset builder)."""
-    rec = {"path": checkpoint_path, "step": state.get("step", 0), "consumed": state.get("consumed", [])}
+    rec = {"path": checkpoint_path, "step": state.get("step", 0), "position": state.get("position")}
     _atomic_write_bytes(Path(output_dir) / LATEST, json.dumps(rec).encode())
 
 
-def read_latest_consumed(output_dir: str | Path, run_storage: str | Path | None = None) -> list[str]:
-    """Sample ids trained as of the checkpoint a restart will restore; [] when none.
+def read_latest_position(output_dir: str | Path, run_storage: str | Path | None = None) -> dict | None:
+    """The data position (data/position.py state) of the checkpoint a restart will restore; None when none.
 
     Ray Train restores the newest checkpoint its manager registered
     (``checkpoint_manager_snapshot.json`` in the run's storage); we read that one's
@@ -124,10 +126,10 @@ def read_latest_consumed(output_dir: str | Path, run_storage: str | Path | None 
         try:
             snap = json.loads((Path(run_storage) / "checkpoint_manager_snapshot.json").read_text())
             name = snap["latest_checkpoint_result"]["checkpoint_dir_name"]
-            return list(load_state(Path(run_storage) / name).get("consumed", []))
+            return load_state(Path(run_storage) / name).get("position")
         except (OSError, ValueError, KeyError, TypeError):
             pass
     try:
-        return list(json.loads((Path(output_dir) / LATEST).read_text()).get("consumed", []))
+        return json.loads((Path(output_dir) / LATEST).read_text()).get("position")
     except (OSError, ValueError):
-        return []
+        return None

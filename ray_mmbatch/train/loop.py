@@ -9,8 +9,10 @@ no gradient, but it joins the gradient all-reduce). No batch is dropped to make
 the counts equal, and every rank makes the same number of ``ray.train.report``
 calls (a barrier).
 
-Resume: a checkpoint stores the ids of the samples trained so far (all ranks,
-gathered). The dataset is rebuilt without them (before planning and decoding),
+Resume: a checkpoint stores the data position (data/position.py: per epoch, the
+read units finished and the rows done of units in flight, all ranks; each report
+gathers only the positions added since the last one). The dataset is rebuilt
+without those rows (they are not even read),
 and should one still arrive (the dataset builder read an older checkpoint than
 the one restored), its targets are masked out of the batch. So after a restore
 no sample is trained twice or missed, whatever batches Ray Data forms this time.
@@ -33,6 +35,7 @@ import torch.distributed as dist
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching.layout import filler_batch, mask_samples, zero_target
 from ray_mmbatch.config import Config, apply_overrides, flatten
+from ray_mmbatch.data.position import DataPosition
 from ray_mmbatch.runlog import read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 from ray_mmbatch.train.step import all_reduce
@@ -46,12 +49,18 @@ def _peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def all_gather_lists(items: list[str]) -> list[str]:
+def all_gather_lists(items: list) -> list:
     if not (dist.is_available() and dist.is_initialized()):
         return list(items)
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, list(items))
     return [x for part in out for x in part]
+
+
+def _positions(row: dict[str, Any], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Read positions and unit row counts of a BATCH row: [:n] its samples, [n:] its skip records."""
+    pos = np.asarray(row.get(S.BATCH_POSITIONS, []), dtype=np.int64)
+    return pos, np.asarray(row.get(S.BATCH_POSITION_UNIT_ROWS, np.zeros(len(pos))), dtype=np.int64)
 
 
 class RunFiles:
@@ -97,8 +106,8 @@ class Runner:
         self._optimizer_step = optimizer_step
         st = state or {}
         self.step = int(st.get("step", 0))
-        self.consumed: set[str] = set(st.get("consumed", []))
-        self.new_consumed: list[str] = []
+        self.position = DataPosition.from_state(st.get("position"))
+        self.new_positions: list[tuple[int, np.ndarray, np.ndarray]] = []  # since the last report
         self.totals = dict(st.get("totals", {"samples": 0, "real_tokens": 0, "padded_tokens": 0,
                                              "target_tokens": 0, "train_s": 0.0}))
         self.initial_loss = st.get("initial_loss")
@@ -130,10 +139,13 @@ class Runner:
             for sid, reason in json.loads(str(row[S.BATCH_SKIPPED])):
                 self.files.append("skipped", {"sample_id": sid, "reason": reason})
                 skipped += 1
-            if int(row[S.BATCH_N_SAMPLES]) == 0:
+            n = int(row[S.BATCH_N_SAMPLES])
+            pos, unit_rows = _positions(row, n)
+            self._done(epoch, pos[n:], unit_rows[n:])  # reported skips are done too
+            if n == 0:
                 continue  # only carried skip records
             batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
-            keep = [S.consumed_key(epoch, str(sid)) not in self.consumed for sid in batch["sample_ids"]]
+            keep = ~self.position.contains(epoch, pos[:n])
             if not any(keep):
                 continue  # trained before the restore
             if not all(keep):
@@ -141,6 +153,7 @@ class Runner:
             batch["_batch_id"] = str(row[S.BATCH_ID])
             batch["_epoch"] = epoch
             batch["_padded_tokens"] = int(row[S.BATCH_PADDED_TOKENS])
+            batch["_positions"] = (pos[:n], unit_rows[:n])
             micro.append(batch)
         return micro, skipped
 
@@ -208,9 +221,7 @@ class Runner:
         n = 0 if dummy else sum(len(b["sample_ids"]) for b in micro)
         target = 0 if dummy else sum(int(b["target_tokens"]) for b in micro)
         for b in [] if dummy else micro:
-            keys = [S.consumed_key(b["_epoch"], str(x)) for x in b["sample_ids"]]
-            self.consumed.update(keys)
-            self.new_consumed.extend(keys)
+            self._done(b["_epoch"], *b["_positions"])
             self.files.append("batches", {
                 "step": self.step, "rank": self.rank, "batch_id": b["_batch_id"],
                 "real_tokens": int(b["real_tokens"]), "padded_tokens": int(b["_padded_tokens"]),
@@ -225,6 +236,11 @@ class Runner:
             w[k] = w.get(k, 0.0) + v
         if self.initial_loss is None:
             self.initial_loss = float(out["loss"])
+
+    def _done(self, epoch: int, positions: np.ndarray, unit_rows: np.ndarray) -> None:
+        if len(positions):
+            self.position.add(epoch, positions, unit_rows)
+            self.new_positions.append((epoch, positions, unit_rows))
 
     def _fault_drill(self) -> None:
         """Die like an OOM-killed worker (SIGKILL, no cleanup) at the configured step, once."""
@@ -264,13 +280,14 @@ class Runner:
         }
         if g["steps"]:
             self.files.append("metrics", metrics)
-        consumed = all_gather_lists(self.new_consumed)
-        self.new_consumed = []
-        self.consumed.update(consumed)
+        # only the delta travels: each rank's positions since the last report (8 bytes a sample)
+        for epoch, pos, unit_rows in all_gather_lists(self.new_positions):
+            self.position.add(epoch, pos, unit_rows)
+        self.new_positions = []
         if not checkpoint:
             ray.train.report(metrics)
             return
-        state = {"step": self.step, "consumed": sorted(self.consumed), "totals": t,
+        state = {"step": self.step, "position": self.position.state_dict(), "totals": t,
                  "initial_loss": self.initial_loss, "samples_seen": self.samples_seen}
         with tempfile.TemporaryDirectory() as tmp:
             ray_ckpt = None

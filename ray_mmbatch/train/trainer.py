@@ -153,7 +153,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
             # stream without the samples the checkpoint being restored already trained.
             set_deterministic(cfg.train.deterministic)
             ray.data.DataContext.get_current().enable_progress_bars = progress
-            return batch_dataset(cfg, ids["pad_id"], consumed=ckpt.read_latest_consumed(out, storage / name),
+            return batch_dataset(cfg, ids["pad_id"], position=ckpt.read_latest_position(out, storage / name),
                                  epoch=epoch)
         return build
 
