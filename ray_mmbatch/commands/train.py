@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except TooManySkipped as e:
         print(f"[train] error: {e}", file=sys.stderr, flush=True)
         return 3
+    except Exception as e:  # the traceback follows; say first where to look further
+        print(f"[train] failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
+              f"[train] Ray's logs: /tmp/ray/session_latest/logs (on a cluster, the head node's)",
+              file=sys.stderr, flush=True)
+        raise
     print("[train] done\n" + console.summary_table(summary, out), flush=True)
     return 0
 
