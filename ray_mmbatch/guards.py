@@ -42,7 +42,7 @@ def split_reason(text: str) -> tuple[str, str]:
 
 
 def explain_skips(records: Iterable[tuple[str, str]], seen: int, max_fraction: float, data_cfg=None,
-                  where: str = "") -> str:
+                  where: str = "", listing: str = "skipped.csv lists every one") -> str:
     """``records`` = (sample_id, "reason: detail"); the message naming the top reasons and fixes."""
     by_reason: dict[str, list[tuple[str, str]]] = {}
     for sid, text in records:
@@ -57,7 +57,7 @@ def explain_skips(records: Iterable[tuple[str, str]], seen: int, max_fraction: f
         lines.append(f"  {reason}: {n}  e.g. {ex}")
     hints = [h for reason, _ in counts.most_common(3) for h in [hint_for(reason, by_reason[reason], data_cfg)] if h]
     lines += [f"  fix: {h}" for h in hints]
-    lines.append("  (skipped.csv lists every one; --max-skip-fraction 1 trains anyway)")
+    lines.append(f"  ({listing}; --max-skip-fraction 1 trains anyway)")
     return "\n".join(lines)
 
 

@@ -28,6 +28,10 @@ class PreflightError(RuntimeError):
     """One failed check; str() is the line to print."""
 
 
+class TooManySkippedAtStart(PreflightError):
+    """The first samples are mostly skipped; str() names the reasons and the fix (guards.explain_skips)."""
+
+
 def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
     """Check the run's data, tokenizer and model before any cluster work; raise PreflightError.
 
@@ -63,7 +67,9 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
     seen = len(rows)
     at_end = seen < samples  # the whole (small) dataset was read
     if skip_fraction_exceeded(seen, len(reasons), d.max_skip_fraction, at_end=at_end):
-        raise PreflightError(explain_skips(reasons, seen, d.max_skip_fraction, d, where=" checked before the run"))
+        raise TooManySkippedAtStart(explain_skips(
+            reasons, seen, d.max_skip_fraction, d, where=" checked before the run",
+            listing="ray-mmbatch inspect reads and counts them all"))
     return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons)}
 
 

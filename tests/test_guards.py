@@ -126,3 +126,15 @@ def test_training_stops_when_the_stream_is_mostly_skipped(ray_cluster, llava_ima
         run_training(cfg)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "missing_file" in summary["stopped"] and summary["checkpoint"] is None
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_inspect_reads_it_all_and_warns_with_the_fix(llava_images_beside, tmp_path):
+    index, images = llava_images_beside
+    r = subprocess.run([str(BIN / "ray-mmbatch"), "inspect", "--data", str(index), "--json", str(tmp_path / "s.json")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["samples_read"] == 56 and summary["skipped"]["missing_file"] > 28
+    assert "[inspect] warning:" in r.stderr and f"--image-root {images}" in r.stderr

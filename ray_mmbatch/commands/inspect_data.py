@@ -29,12 +29,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if not cfg.data.path:
         parser.error("--data is required")
     from ray_mmbatch import console
-    from ray_mmbatch.preflight import PreflightError, preflight
+    from ray_mmbatch.preflight import PreflightError, TooManySkippedAtStart, preflight
 
     console.quiet_ray(args.verbose)
-    try:  # the data settings only: a dataset that is mostly skipped is what inspect is for
-        cfg.data.max_skip_fraction = 1.0
+    warning = ""
+    try:
         preflight(cfg)
+    except TooManySkippedAtStart as e:  # inspect still reads it all: a mostly skipped set is what it is for
+        warning = str(e).replace("stopping instead of training on the rest", "a training run would stop")
     except PreflightError as e:
         print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(text)
     if args.json:
         Path(args.json).write_text(text)
+    if warning:
+        print(f"[inspect] warning: {warning}", file=sys.stderr, flush=True)
     return 0
 
 
