@@ -48,6 +48,11 @@ NOISE = re.compile("|".join((
     r"A new progress UI is available", r"PYTHON worker processes have been started on node",
     r"To visualize your results with TensorBoard",
 )))
+# Ray-internal messages that Ray itself calls safe to ignore; the traceback after them goes too
+NOISE_WITH_TRACEBACK = re.compile("|".join((
+    r"Failed to send resource request for train-",            # Train V2 autoscaling coordinator, CPU busy
+)))
+TRACEBACK_LINE = re.compile(r"^(Traceback \(most recent call last\):|\s|[\w.]+(Error|Exception|Interrupt)\b)")
 # Python warnings of these categories come with a message line or two and the source line
 WARNING_HEADER = re.compile(r"\.py:\d+: (Ray)?DeprecationWarning: ")
 NOISY_ACTORS = ("PlacementGroupCleaner",)
@@ -63,8 +68,15 @@ def filter_lines(lines: list[str]) -> list[str]:
     """Drop Ray's internal lines; a deprecation warning goes with the lines that continue it
     (its message and the indented source line, at most three)."""
     out: list[str] = []
-    skip_continuation = 0
+    skip_continuation, in_traceback = 0, False
     for line in lines:
+        if in_traceback:
+            if TRACEBACK_LINE.match(line) or not line.strip():
+                continue
+            in_traceback = False
+        if NOISE_WITH_TRACEBACK.search(line):
+            in_traceback = True
+            continue
         if skip_continuation:
             skip_continuation -= 1
             if line.startswith("  "):   # the source line ends a Python warning

@@ -84,6 +84,8 @@ def test_quiet_console_drops_ray_noise_and_keeps_the_rest():
         "Use get_actor_id() instead",
         "  not self.actor_id.is_nil()",
         "UserWarning: your images are tiny",
+        "Failed to send resource request for train-1. ... it's safe to ignore this error.",
+        "Traceback (most recent call last):", '  File "x.py", line 1, in f', "ray.exceptions.GetTimeoutError: late",
         "Traceback (most recent call last):",
     ]
     assert filter_lines(lines) == ["UserWarning: your images are tiny", "Traceback (most recent call last):"]
