@@ -72,7 +72,8 @@ def filter_lines(lines: list[str]) -> list[str]:
     for line in lines:
         if in_traceback:
             if TRACEBACK_LINE.match(line) or not line.strip():
-                continue
+                in_traceback = line[:1].isspace() or not line.strip() or line.startswith("Traceback")
+                continue  # the block ends with its exception line
             in_traceback = False
         if NOISE_WITH_TRACEBACK.search(line):
             in_traceback = True
