@@ -140,3 +140,33 @@ def test_inspect_from_s3_equals_local(ray_cluster, s3):
     for key in ("samples_read", "samples_ok", "skipped", "skipped_files", "tokens", "image_tokens", "patches"):
         assert there[key] == here[key], key
     assert here["samples_ok"] == 24
+
+
+def test_file_uri_is_the_local_path(s3):
+    local, _ = s3
+    a = _measured(str(local / "webdataset"), "webdataset")
+    assert _measured(f"file://{local / 'webdataset'}", "webdataset") == a
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_short_train_from_s3_trains_every_sample_of_the_local_copy(ray_cluster, s3, tmp_path):
+    import csv
+    import json
+
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.train.trainer import run_training
+
+    local, remote = s3
+    cfg = Config()
+    cfg.data = DataConfig(path=f"{remote}/parquet")
+    cfg.budget.max_tokens, cfg.budget.window = 2048, 16
+    cfg.train.output_dir, cfg.train.ledger, cfg.train.max_steps = str(tmp_path / "run"), True, 0
+    summary = run_training(cfg)
+    out = tmp_path / "run"
+    trained = [sid for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl"))
+               for line in p.read_text().splitlines() for sid in json.loads(line)["sample_ids"]]
+    with open(out / S.RUN_SKIPPED) as f:
+        skipped = [r["sample_id"] for r in csv.DictReader(f)]
+    assert sorted(trained + skipped) == sorted(_measured(str(local / "parquet"), "parquet"))
+    assert len(set(trained)) == len(trained) == summary["samples"] >= 24 - len(skipped)
