@@ -120,6 +120,11 @@ def _placeholder_mismatch(rng, sid, fmt):
     return Sample(sid, conv, [EncodedImage(_jpeg(rng), "jpg")])
 
 
+def _image_lost(rng, sid, fmt):
+    """An <image> in the question and no image: a null images cell, a key with only .json, no "image" field."""
+    return Sample(sid, _one_image_conv(), [])
+
+
 def _conversations_not_list(rng, sid, fmt):
     # Arrow's list column cannot hold a string, so in Parquet the record is a null list.
     return Sample(sid, None if fmt == "parquet" else "describe the image please", [])
@@ -212,6 +217,7 @@ KINDS: dict[str, tuple[str, tuple[str, ...], object]] = {
     "non_string_value": (schema.SKIP_MALFORMED_RECORD, ALL, _non_string_value),
     "lone_surrogate": (schema.SKIP_TEXT_ENCODING, ("webdataset", "llava"), _lone_surrogate),
     "placeholder_mismatch": (schema.SKIP_PLACEHOLDER_MISMATCH, CONV, _placeholder_mismatch),
+    "image_lost": (schema.SKIP_PLACEHOLDER_MISMATCH, CONV, _image_lost),
     "empty_answer": (schema.SKIP_EMPTY_TEXT, ALL, _empty_answer),
     "too_many_images": (schema.SKIP_TOO_MANY_IMAGES, CONV, _too_many_images),
     "extreme_aspect": (schema.SKIP_EXTREME_ASPECT, ALL, _image_kind(lambda rng: _plain_png(1, 2000), "png")),
