@@ -54,13 +54,14 @@ def _member_kind(m: tarfile.TarInfo) -> str:
             else "FIFO" if m.isfifo() else "non-regular member")
 
 
-def scan(stream, rel: str, max_bytes: int, read: bool = True) -> tuple[dict, dict, str]:
-    """Stream a tar: ({key: [(index, ext, name, bytes)]}, {key: read_error}, tail error or "")."""
+def scan(stream, rel: str, max_bytes: int, read: bool = True, mode: str = "r|*") -> tuple[dict, dict, str]:
+    """Stream a tar: ({key: [(index, ext, name, bytes)]}, {key: read_error}, tail error or "").
+    ``read=False`` with a seekable file and mode "r:*" reads the headers only (seeks over the data)."""
     groups: dict[str, list] = {}
     problems: dict[str, str] = {}
     current, tail, last, seen = None, "", None, {}
     try:
-        with tarfile.open(fileobj=stream, mode="r|*") as archive:
+        with tarfile.open(fileobj=stream, mode=mode) as archive:
             for member in archive:
                 if member.isdir():
                     continue
@@ -155,17 +156,20 @@ def read_unit(unit: dict, data_cfg) -> list[dict]:
 
 
 def count(units: list[dict], data_cfg) -> int:
-    """Rows the units yield, from the tar headers (members are skipped, not kept)."""
+    """Rows the units yield, from the tar headers: a local file is read header by header (seeking over
+    the data); an object-store shard is streamed (a gzip one is inflated either way)."""
     total = 0
     for unit in units:
+        local = not fs.is_uri(unit["path"])
         try:
-            stream = fs.open_input(unit["path"]) if not unit["error"] else None
+            stream = None if unit["error"] else \
+                fs.open_random_access(unit["path"]) if local else fs.open_input(unit["path"])
         except (OSError, ValueError):
             stream = None
         if stream is None:
             total += 1
             continue
         with stream:
-            groups, _, tail = scan(stream, unit["rel"], 0, read=False)
+            groups, _, tail = scan(stream, unit["rel"], 0, read=False, mode="r:*" if local else "r|*")
         total += len(groups) + bool(tail)
     return total
