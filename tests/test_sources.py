@@ -79,8 +79,8 @@ def test_parquet_rows_custom_columns_single_struct_plain_text_no_id():
     assert none[0][schema.IMAGES] == [] and none[0][schema.READ_ERROR] == ""
     with pytest.raises(ValueError, match="text column"):
         parquet_rows(table, DataConfig())
-    with pytest.raises(ValueError, match="row_offset"):
-        parquet_rows(table, cfg)
+    assert [r[schema.SAMPLE_ID] for r in _rows(parquet_rows(table, cfg, file_name="c.parquet"))] == \
+        ["c.parquet:0", "c.parquet:1"]
 
 
 def _tar(members: list[tuple[str, bytes]]) -> bytes:

@@ -159,15 +159,13 @@ def read_unit(unit: dict, data_cfg) -> list[dict]:
     return rows_of_table(part, unit["rel"], int(unit["row_offset"]), cols, data_cfg)
 
 
-def parquet_rows(table: pa.Table, data_cfg, *, file_name: str | None = None,
-                 row_offset: int | None = None) -> pa.Table:
-    """RAW rows (Arrow) from a Parquet batch read elsewhere (benchmarks, tests): ids ``<file_name>:<row>``."""
+def parquet_rows(table: pa.Table, data_cfg, *, file_name: str | None = None, row_offset: int = 0) -> pa.Table:
+    """RAW rows (Arrow) from a Parquet batch read elsewhere (benchmarks, tests): ids ``<file_name>:<row>``,
+    ``row_offset`` being the row of the batch's first row in its file."""
     names = table.column_names
     text = _text_column(names, data_cfg)
     if text is None:
         raise ValueError(f"text column {data_cfg.text_column!r} not in Parquet columns {names}")
-    if row_offset is None:
-        raise ValueError("Parquet rows need row_offset (the batch's first row in its file) for their ids")
     cols = {"text": text}
     cols.update({k: c for k, c in (("image", data_cfg.image_column), ("id", data_cfg.id_column)) if c in names})
-    return rows_to_table(rows_of_table(table, file_name or "", row_offset, cols, data_cfg))
+    return rows_to_table(rows_of_table(table, file_name or "", int(row_offset or 0), cols, data_cfg))
