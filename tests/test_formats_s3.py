@@ -170,3 +170,14 @@ def test_short_train_from_s3_trains_every_sample_of_the_local_copy(ray_cluster, 
         skipped = [r["sample_id"] for r in csv.DictReader(f)]
     assert sorted(trained + skipped) == sorted(_measured(str(local / "parquet"), "parquet"))
     assert len(set(trained)) == len(trained) == summary["samples"] >= 24 - len(skipped)
+
+
+def test_access_denied_fails_at_start_naming_the_uri(s3, monkeypatch):
+    """The server starts checking keys (moto's IAM auth): ours are unknown to it, so listing is refused."""
+    from moto import settings
+
+    _, remote = s3
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    with pytest.raises(DataLocationError, match=f"{remote}/parquet".replace("/", ".")) as err:
+        read_units(f"{remote}/parquet", DataConfig())
+    assert "cannot read" in str(err.value) and "ACCESS_DENIED" in str(err.value).upper().replace(" ", "_")
