@@ -47,10 +47,10 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {k: [r[k] for r in rows] for k in rows[0]}
 
 
-def _measured_rows(cfg: Config, end_marker: bool) -> Iterator[dict[str, Any]]:
+def _measured_rows(cfg: Config, end_marker: bool, payloads) -> Iterator[dict[str, Any]]:
     from ray_mmbatch.pipeline import MeasureStage
 
-    stage = MeasureStage(cfg.image, cfg.text, cfg.budget)
+    stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads)
     for batch in _chunks(_raw_rows(cfg, end_marker), max(1, cfg.data.measure_batch)):
         out = stage(batch)
         n = len(out[S.SAMPLE_ID])
@@ -66,6 +66,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     """
     from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.models import configure, token_ids
+    from ray_mmbatch.payloads import LocalPayloads
     from ray_mmbatch.pipeline import CarryPlanStage, MaterializeStage, plan_rows, uses_carry
 
     cfg = configure(copy.deepcopy(cfg))
@@ -74,9 +75,10 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     carry = uses_carry(cfg.budget)
     seed = cfg.train.seed
     planner = CarryPlanStage(cfg.budget, seed, epoch) if carry else None
-    materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"])
+    payloads = LocalPayloads()
+    materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"], payloads)
     done = 0
-    for window in _chunks(_measured_rows(cfg, end_marker=carry), max(1, cfg.budget.window)):
+    for window in _chunks(_measured_rows(cfg, end_marker=carry, payloads=payloads), max(1, cfg.budget.window)):
         plans = planner(window) if carry else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):
             one = {k: [v[i]] for k, v in plans.items()}

@@ -6,11 +6,15 @@
                                      + one end-of-stream row when carrying. Resume: units the epoch
                                      finished are not read, done rows of units in flight are dropped
                                      as they are read (data/position.py), so none is measured or decoded
-      .map_batches(MeasureStage)     + token ids, grids, costs, skip_reason; oversize policy applied
-      .map_batches(CarryPlanStage,   one PLAN row per batch; windows of `budget.window` samples, under-
-                   batch_size=W)     filled batches held back into the next window (see below)
-      .map_batches(MaterializeStage, one BATCH row per batch: decode + resize + patchify + collate
-                   batch_size=1)
+      .map_batches(MeasureStage)     token ids, grids, costs, skip_reason; oversize policy applied.
+                                     The measured row (image bytes included) waits in a payload
+                                     holder (payloads.py); a LIGHT row goes on: id, costs, read
+                                     position (~100 bytes, all Arrow)
+      .map_batches(CarryPlanStage,   one PLAN row per batch (ids, payload keys: Arrow lists); windows
+                   batch_size=W)     of `budget.window` samples, under-filled batches held back into
+                                     the next window (see below). No pixel passes through it
+      .map_batches(MaterializeStage, one BATCH row per batch: fetch the payloads, decode + resize +
+                   batch_size=1)     patchify + collate
       .repartition(1 row per block)  so Train's split can hand batches to ranks one by one
 
 End of stream: Ray Data gives a map stage no end-of-stream hook, so a buffer carried
@@ -34,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import warnings
 from typing import Any
 
@@ -44,7 +47,8 @@ import ray
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, Config, ImageConfig, TextConfig
 
-PLAN = "plan"  # PLAN row column: the measured rows of one batch (internal, never written to disk)
+PAYLOAD_KEYS = "payload_keys"  # PLAN row: list<str>, where each sample's measured row waits (payloads.py)
+LIGHT_COLUMNS = (S.SAMPLE_ID, S.SKIP_REASON, S.TOKENS, S.PATCHES, S.N_IMAGES) + S.READ_POSITION_COLUMNS
 PLAN_CPUS = 0.25  # planning a window takes milliseconds; don't let it hold a whole CPU slot
 
 
@@ -59,12 +63,18 @@ def window_seed(seed: int, epoch: int, window_key: str) -> int:
 
 
 class MeasureStage:
-    """Callable class: loads the tokenizer once per actor, then measures batches of RAW rows."""
+    """Callable class: loads the tokenizer once per actor, then measures batches of RAW rows.
 
-    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig | None):
+    With ``payloads`` (payloads.py) each usable measured row is left there and the stage
+    returns LIGHT rows (LIGHT_COLUMNS); without, full MEASURED rows.
+    """
+
+    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig | None,
+                 payloads=None):
         from ray_mmbatch.data.text import load_tokenizer
 
         self.image_cfg, self.text_cfg, self.budget_cfg = image_cfg, text_cfg, budget_cfg
+        self.payloads = payloads
         self.tok = load_tokenizer(text_cfg.tokenizer)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -72,7 +82,30 @@ class MeasureStage:
 
         measured = measure_batch(batch, self.image_cfg, self.tok, self.text_cfg)
         measured.update({c: batch[c] for c in S.READ_POSITION_COLUMNS if c in batch})
-        return measured if self.budget_cfg is None else fit_batch_to_budget(measured, self.budget_cfg)
+        if self.budget_cfg is not None:
+            measured = fit_batch_to_budget(measured, self.budget_cfg)
+        return measured if self.payloads is None else light_rows(measured, self.payloads)
+
+
+def payload_key(row: dict) -> str:
+    """A sample's payload key: its read position (the same on a retry), else its id."""
+    if S.UNIT in row and int(row[S.UNIT]) >= 0:
+        return f"{int(row[S.UNIT])}:{int(row[S.UNIT_ROW])}"
+    return f"id:{row[S.SAMPLE_ID]}"
+
+
+def light_rows(measured: dict[str, Any], payloads) -> dict[str, np.ndarray]:
+    """Leave each usable measured row in ``payloads``; return the LIGHT columns (Arrow-friendly)."""
+    reasons = np.array([str(r) for r in measured[S.SKIP_REASON]], dtype=object)
+    ok = np.flatnonzero(reasons == "").tolist()
+    if ok:
+        rows = [_plain({k: v[i] for k, v in measured.items()}) for i in ok]
+        payloads.put([payload_key(r) for r in rows], rows)
+    out = {S.SAMPLE_ID: np.array([str(x) for x in measured[S.SAMPLE_ID]], dtype=object), S.SKIP_REASON: reasons}
+    for c in LIGHT_COLUMNS[2:]:
+        if c in measured:
+            out[c] = np.asarray(measured[c], dtype=np.int64)
+    return out
 
 
 def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
@@ -113,11 +146,11 @@ def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key
     (a window that emits no batch but skipped samples emits one empty batch to carry them)."""
     if not groups and skipped:
         groups = [[]]
-    out: dict[str, list] = {S.BATCH_ID: [], S.BATCH_SAMPLE_IDS: [], PLAN: [], S.BATCH_SKIPPED: []}
+    out: dict[str, list] = {S.BATCH_ID: [], S.BATCH_SAMPLE_IDS: [], PAYLOAD_KEYS: [], S.BATCH_SKIPPED: []}
     for j, members in enumerate(groups):
         out[S.BATCH_ID].append(f"e{epoch}/{window_key}/{j}")
         out[S.BATCH_SAMPLE_IDS].append([str(r[S.SAMPLE_ID]) for r in members])
-        out[PLAN].append(pickle.dumps(members, protocol=5))
+        out[PAYLOAD_KEYS].append([payload_key(r) for r in members])
         out[S.BATCH_SKIPPED].append(json.dumps(skipped if j == 0 else []))
     return out
 
@@ -183,22 +216,28 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 
 
 class MaterializeStage:
-    """Callable: PLAN row -> BATCH row (decode, resize, patchify, expand, collate, encode)."""
+    """Callable: PLAN row -> BATCH row (fetch the payloads, decode, resize, patchify, expand,
+    collate, encode); the payloads are released once the BATCH rows are built."""
 
-    def __init__(self, image_cfg: ImageConfig, budget_cfg: BudgetConfig, pad_id: int):
+    def __init__(self, image_cfg: ImageConfig, budget_cfg: BudgetConfig, pad_id: int, payloads):
         self.image_cfg, self.budget_cfg, self.pad_id = image_cfg, budget_cfg, pad_id
+        self.payloads = payloads
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         out: dict[str, list] = {k: [] for k in (
             S.BATCH_ID, S.BATCH_SAMPLE_IDS, S.BATCH_PAYLOAD, S.BATCH_REAL_TOKENS, S.BATCH_PADDED_TOKENS,
             S.BATCH_TARGET_TOKENS, S.BATCH_N_SAMPLES, S.BATCH_SKIPPED, S.BATCH_POSITIONS,
             S.BATCH_POSITION_UNIT_ROWS)}
+        done: list[str] = []
         for i in range(len(batch[S.BATCH_ID])):
-            row = materialize_plan_row(pickle.loads(batch[PLAN][i]), json.loads(str(batch[S.BATCH_SKIPPED][i])),
+            keys = [str(k) for k in batch[PAYLOAD_KEYS][i]]
+            row = materialize_plan_row(self.payloads.get(keys), json.loads(str(batch[S.BATCH_SKIPPED][i])),
                                        self.image_cfg, self.budget_cfg, self.pad_id)
             row[S.BATCH_ID] = str(batch[S.BATCH_ID][i])
             for k in out:
                 out[k].append(row[k])
+            done += keys
+        self.payloads.done(done)
         return out
 
 
@@ -256,11 +295,12 @@ def uses_carry(budget_cfg: BudgetConfig) -> bool:
 
 
 def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end_marker: bool = False,
-                     done=None):
+                     done=None, payloads=None):
     """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
 
     Epochs after the first read their units (row groups / shards / chunks) in a seeded order.
     ``done`` (data.position.EpochPosition): what this epoch trained already, left out at read.
+    ``payloads``: LIGHT rows out, the measured rows left in that store (see MeasureStage).
     """
     from ray_mmbatch.readers import read_raw
 
@@ -268,7 +308,7 @@ def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end
     ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=shuffle, end_marker=end_marker, done=done)
     return ds.map_batches(
         MeasureStage, batch_size=cfg.data.measure_batch, batch_format="numpy",
-        fn_constructor_args=(cfg.image, cfg.text, cfg.budget if apply_budget else None),
+        fn_constructor_args=(cfg.image, cfg.text, cfg.budget if apply_budget else None, payloads),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
         **_stage_args(cfg),
     )
@@ -286,8 +326,13 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     from ray_mmbatch.data.position import DataPosition
 
     done = DataPosition.from_state(position).epochs.get(epoch)
+    from ray_mmbatch.payloads import RayPayloads
+
     carry = uses_carry(cfg.budget)
-    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done)
+    # measured rows wait in holder actors that live as long as this dataset (payloads.py)
+    payloads = RayPayloads(holders=max(1, cfg.data.preprocess_workers),
+                           max_in_flight=max(8 * cfg.budget.window, 4096), **_stage_args(cfg))
+    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads)
     if carry:  # one actor: one carry, fed the windows in stream order
         with warnings.catch_warnings():
             # Ray Data lets actor tasks run out of order by default; the carry needs windows in
@@ -305,7 +350,7 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
             fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **_stage_args(cfg))
     ds = plans.map_batches(
         MaterializeStage, batch_size=1, batch_format="numpy",
-        fn_constructor_args=(cfg.image, cfg.budget, pad_id),
+        fn_constructor_args=(cfg.image, cfg.budget, pad_id, payloads),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
         **_stage_args(cfg))
     # One batch per block: Train's split hands out whole blocks, so a block holding a
