@@ -7,10 +7,12 @@
     Reported: batches, fill (real / padded tokens of the batches), wall time, and the
     check that both runs deliver exactly the same sample ids, each once.
 (b) The ceiling of the one plan actor that carry needs: ``CarryPlanStage`` (and the
-    stateless ``plan_rows``) called in-process on numpy batches of measured rows of the
-    same data, window by window, as Ray calls them (rows split, planned, pickled into
-    PLAN rows). Reported: samples/s and MB/s of measured rows (image bytes included)
-    through one process; Ray's own per-block transfer is not included.
+    stateless ``plan_rows``) called in-process on numpy batches of the LIGHT rows that
+    measure sends on (the measured rows themselves wait in the payload store,
+    payloads.py), window by window, as Ray calls them. Reported: samples/s, and the
+    bytes per sample through the plan stage (its input and output blocks as Arrow)
+    next to the measured row it no longer carries; Ray's per-block transfer is not
+    included.
 
     python benchmarks/bench_plan_stage.py [--data DIR] [--samples 4000] [--window 512]
         [--max-tokens 4096] [--mode pack] [--json PATH]
@@ -53,11 +55,16 @@ def _ray_pass(cfg: Config, pad_id: int) -> dict:
 
 
 def _actor_ceiling(measured: dict, cfg: Config, window: int, repeat: int) -> dict:
-    from ray_mmbatch.pipeline import PLAN, CarryPlanStage, plan_rows
+    import pyarrow as pa
+
+    from ray_mmbatch.payloads import LocalPayloads
+    from ray_mmbatch.pipeline import CarryPlanStage, light_rows, plan_rows
 
     n = len(measured[S.SAMPLE_ID])
     nbytes = sum(len(b) for imgs in measured[S.IMAGES] for b in imgs) + \
         sum(len(t) * 4 for t in measured[S.TEXT_IDS])
+    light = light_rows(measured, LocalPayloads())
+    light_in = pa.Table.from_pydict({k: list(v) for k, v in light.items()}).nbytes
     out = {}
     for name in ("carry", "stateless"):
         best = float("inf")
@@ -65,16 +72,19 @@ def _actor_ceiling(measured: dict, cfg: Config, window: int, repeat: int) -> dic
             stage = CarryPlanStage(cfg.budget, 0, 0) if name == "carry" else None
             t0 = time.perf_counter()
             planned = 0
+            plan_out = 0
             for s in range(0, n, window):
-                batch = {k: v[s:s + window] for k, v in measured.items()}
+                batch = {k: v[s:s + window] for k, v in light.items()}
                 res = stage(batch) if stage else plan_rows(batch, cfg.budget, 0, 0)
                 planned += sum(len(ids) for ids in res[S.BATCH_SAMPLE_IDS])
-                assert all(isinstance(p, bytes) for p in res[PLAN])
+                plan_out += pa.Table.from_pydict(res).nbytes
             if stage:
                 planned += sum(len(g) for g in stage.planner.flush())
             best = min(best, time.perf_counter() - t0)
-        out[name] = {"samples_per_s": n / best, "mb_per_s": nbytes / 2**20 / best, "planned": planned}
+        out[name] = {"samples_per_s": n / best, "planned": planned,
+                     "bytes_per_sample_through": (light_in + plan_out) / n}
     out["mb_per_sample"] = nbytes / 2**20 / n
+    out["light_in_bytes_per_sample"] = light_in / n
     return out
 
 
@@ -125,10 +135,12 @@ def main(argv=None):
     for name, r in runs.items():
         print(f"    {name:30s} {r['batches']:8d} {r['fill']:8.2%} {r['samples']:8d} {r['skipped']:8d} "
               f"{r['wall_s']:7.1f}")
-    print(f"(b) one process planning windows of {args.window} ({ceiling['mb_per_sample']:.3f} MB per measured row)")
+    print(f"(b) one process planning windows of {args.window} of light rows (a measured row is "
+          f"{ceiling['mb_per_sample'] * 2**20 / 1024:.0f} kB; it waits in the payload store)")
     for name in ("carry", "stateless"):
         c = ceiling[name]
-        print(f"    {name:30s} {c['samples_per_s']:10.0f} samples/s {c['mb_per_s']:8.0f} MB/s")
+        print(f"    {name:30s} {c['samples_per_s']:10.0f} samples/s {c['bytes_per_sample_through']:8.0f} bytes/sample "
+              f"through the plan stage (in + out)")
     if args.json:
         for r in runs.values():
             r.pop("ids")

@@ -23,12 +23,15 @@ payload stays in a short ``recent`` list, so a materialize task retried after it
 died still finds it. A key no holder knows, or a dead holder, raises: the stream fails
 and training restores from its checkpoint (never a silent loss).
 
-Backpressure: Ray Data cannot see what the holders keep, so ``put`` waits while a holder
-keeps more than its share of ``max_in_flight`` samples (measured, not yet materialized).
+Backpressure - open: Ray Data cannot see what the holders keep (its budget sees only the
+light rows), so measure may run ahead of materialize and the holders' memory grows with
+that lead. ``put`` must NOT simply wait when a holder is full: with preserve_order the plan
+stage takes windows in stream order, so a measure task blocked on an early block while
+later blocks fill the holders deadlocks the stream (seen in bench_plan_stage at 4,000
+samples with a cap of 8 windows). ``in_flight`` is there for the bound still to design.
 """
 from __future__ import annotations
 
-import time
 import zlib
 from collections import OrderedDict
 from typing import Any
@@ -87,11 +90,9 @@ class PayloadHolder:
 class RayPayloads:
     """Client of the PayloadHolder actors of one dataset; picklable (stages get a copy)."""
 
-    def __init__(self, holders: int, max_in_flight: int, **actor_options: Any) -> None:
-        n = max(1, int(holders))
-        self.share = max(1, int(max_in_flight) // n)
+    def __init__(self, holders: int, recent: int, **actor_options: Any) -> None:
         cls = ray.remote(num_cpus=0, max_restarts=0)(PayloadHolder)
-        self.holders = [cls.options(**actor_options).remote(recent=max(64, self.share // 4)) for _ in range(n)]
+        self.holders = [cls.options(**actor_options).remote(recent=recent) for _ in range(max(1, int(holders)))]
 
     def _split(self, keys: list[str]) -> dict[int, list[int]]:
         parts: dict[int, list[int]] = {}
@@ -102,9 +103,6 @@ class RayPayloads:
 
     def put(self, keys: list[str], rows: list[dict[str, Any]]) -> None:
         parts = self._split(keys)
-        for h in parts:
-            while ray.get(self.holders[h].in_flight.remote()) > self.share:
-                time.sleep(0.02)  # materialize is behind: do not fill memory
         ray.get([self.holders[h].put.remote([keys[i] for i in idx], [rows[i] for i in idx])
                  for h, idx in parts.items()])
 

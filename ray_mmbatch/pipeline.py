@@ -330,8 +330,8 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
 
     carry = uses_carry(cfg.budget)
     # measured rows wait in holder actors that live as long as this dataset (payloads.py)
-    payloads = RayPayloads(holders=max(1, cfg.data.preprocess_workers),
-                           max_in_flight=max(8 * cfg.budget.window, 4096), **_stage_args(cfg))
+    payloads = RayPayloads(holders=max(1, cfg.data.preprocess_workers), recent=max(1024, cfg.budget.window),
+                           **_stage_args(cfg))
     measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads)
     if carry:  # one actor: one carry, fed the windows in stream order
         with warnings.catch_warnings():
