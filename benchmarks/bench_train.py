@@ -29,10 +29,24 @@ Peak RSS: VmHWM reset before each step (Linux clear_refs), max over the steps.
 block-mask attention, and ``pad_mask`` runs pad through the explicit [B,1,L,L]
 mask instead of is_causal, for the before/afters of model/attention.py.
 
-    python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
+Hugging Face backend (``--model DIR`` or ``--model qwen2_vl-tiny``): the same method with the
+model ``ray_mmbatch.hf.load_model(DIR)`` (an HFModel; every strategy loads the same weights) and
+the data path configured by the checkpoint (``ray_mmbatch.hf.config_from_checkpoint``: Qwen-VL
+smart resize with its patch 14 / merge 2 / min-max pixels, its tokenizer and chat template).
+``qwen2_vl-tiny`` builds a random Qwen2-VL in a temp dir (``tiny_qwen_checkpoint``:
+tests/hf_checkpoints.make_qwen_checkpoint for the tokenizer, template and processor, then the
+model widened to text 256 x 4 layers, vision 128 x 2 blocks: 6.19 M parameters, 0.94 M of them
+vision; pixel bounds 4..256 merged tokens per image, the built-in default, so the samples match
+the built-in run's). ``--attention`` is then the HF attn_implementation (sdpa / eager).
 
-Figures, the exact command and the analysis are in benchmarks/RESULTS.md
-("## Training throughput"). Wall time ~4 min on the 2-core dev machine.
+    python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
+    python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
+        --strategies pack,pack@8192,pad,fixed32 --budget-s 60 --fixed-budget-s 240
+
+``pack@N`` / ``pad@N`` plan the same (already fitted) samples to a larger budget N in the same run.
+Figures, the exact commands and the analysis are in benchmarks/RESULTS.md
+("## Training throughput"). Wall time ~4 min on the 2-core dev machine; ~12 min with the tiny
+Qwen2-VL, whose fixed-32 steps take ~200 s and ~21 GB peak RSS (32 x 3,733 tokens through HF).
 """
 from __future__ import annotations
 
@@ -62,6 +76,12 @@ from common import read_measured  # noqa: E402  (benchmarks/ is on sys.path when
 
 FIXED_BATCH_SIZE = 32
 WARMUP_STEPS = 2
+TINY_QWEN = "qwen2_vl-tiny"
+# the tiny Qwen2-VL's shape: wide enough that a CPU step is dominated by the model, not Python
+TINY_TEXT = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "max_position_embeddings": 32768}
+TINY_MROPE = [8, 12, 12]  # (t, h, w) rotary sections: sum = head_dim / 2 = 32
+TINY_VISION = {"depth": 2, "embed_dim": 128, "num_heads": 4, "mlp_ratio": 4, "hidden_size": 256}
 
 
 # ------------------------------------------------------------------ memory
@@ -79,6 +99,52 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+# ------------------------------------------------------------------ models
+def tiny_qwen_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random Qwen2-VL checkpoint dir (module header): the test builder's tokenizer, chat template
+    and image processor (pixel bounds = the built-in default's), then config + weights widened."""
+    import sys
+
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_checkpoints import make_qwen_checkpoint
+
+    image = Config().image
+    make_qwen_checkpoint(directory, "qwen2_vl", initializer_range=0.02, seed=seed, image_processor={
+        "size": {"shortest_edge": image.min_pixels, "longest_edge": image.max_pixels}})
+    config_cls = type(AutoConfig.from_pretrained(directory))
+    config = config_cls.from_pretrained(directory).to_dict()
+    config["text_config"].pop("layer_types", None)  # re-derived for the new layer count
+    config["text_config"].update(TINY_TEXT)
+    config["text_config"]["rope_parameters"]["mrope_section"] = TINY_MROPE
+    config["vision_config"].update(TINY_VISION)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config_cls.from_dict(config)).save_pretrained(directory)
+    return directory
+
+
+def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
+    """(cfg, tokenizer, token ids, make_model() -> fresh model, description) for --model."""
+    cfg = Config()
+    cfg.train.seed = args.seed
+    cfg.budget.max_tokens, cfg.budget.window = args.max_tokens, args.window
+    if not args.model:
+        cfg.model.attention = args.attention
+        tok = load_tokenizer(cfg.text.tokenizer)
+        ids = {"image_token_id": tok.convert_tokens_to_ids(S.IMAGE_PAD), "pad_id": tok.convert_tokens_to_ids(S.PAD_TOKEN)}
+        return cfg, tok, ids, lambda: build_model(cfg.model, cfg.image, vocab_size=len(tok), seed=args.seed, **ids), \
+            f"built-in, attention {args.attention}"
+    from ray_mmbatch.hf import config_from_checkpoint, load_model
+    from ray_mmbatch.models import token_ids
+
+    path = tiny_qwen_checkpoint(os.path.join(tmp, "model"), args.seed) if args.model == TINY_QWEN else args.model
+    cfg.model.attn_implementation = args.attention
+    config_from_checkpoint(path, cfg)
+    return cfg, load_tokenizer(cfg.text.tokenizer), token_ids(cfg), lambda: load_model(path, cfg), \
+        f"{args.model} (HF {cfg.model.attn_implementation})"
 
 
 # ------------------------------------------------------------------ data
@@ -140,11 +206,11 @@ def attend_pad_mask(q, k, v, layout):
 class StrategyRun:
     """One strategy's model, optimizer, batches and per-step measurements."""
 
-    def __init__(self, name: str, batches: list[dict], cfg: Config, tok_size: int, ids: dict,
-                 max_tokens: int | None, budget_s: float):
+    def __init__(self, name: str, batches: list[dict], cfg: Config, make_model, max_tokens: int | None,
+                 budget_s: float):
         self.name, self.batches, self.cfg = name, batches, cfg
         self.max_tokens, self.budget_s = max_tokens, budget_s
-        self.model = build_model(cfg.model, cfg.image, vocab_size=tok_size, seed=cfg.train.seed, **ids)
+        self.model = make_model()
         self.opt, self.sched = build_optimizer(self.model, cfg.train, 10 * len(batches))
         self.step_s, self.trained, self.losses, self.peak_rss, self.step_rss = [], [], [], 0.0, 0.0
         self.attend = None   # set for pack_tmask: the model's attention function for this run only
@@ -235,10 +301,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=8192, help="token budget of pack and pad mode")
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--attention", default="sdpa", help="ModelConfig.attention backend")
+    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} (a random Qwen2-VL built in a "
+                   "temp dir, see the module header); default: the built-in model")
+    p.add_argument("--attention", default="sdpa",
+                   help="ModelConfig.attention (built-in) or ModelConfig.attn_implementation (--model: sdpa, eager)")
     p.add_argument("--strategies", default="pack,pad,fixed32",
-                   help="comma list of pack, pad, fixed32, pack_tmask (pack on the pre-bucket T x T mask path), "
-                        "pad_mask (pad on the explicit [B,1,L,L] mask path)")
+                   help="comma list of pack, pad, fixed32, pack@N / pad@N (budget N >= --max-tokens, same samples), "
+                        "pack_tmask (pack on the pre-bucket T x T mask path), pad_mask (pad on the explicit "
+                        "[B,1,L,L] mask path)")
     p.add_argument("--budget-s", type=float, default=40.0, help="step-time budget of pack and of pad (s)")
     p.add_argument("--fixed-budget-s", type=float, default=100.0,
                    help="step-time budget of fixed32 (s; its steps take ~30 s, so it needs more for a stable rate)")
@@ -247,21 +317,23 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
-    cfg = Config()
-    cfg.model.attention = args.attention
-    cfg.train.seed = args.seed
-    cfg.budget.max_tokens, cfg.budget.window = args.max_tokens, args.window
-    tok = load_tokenizer(cfg.text.tokenizer)
-    pad_id = tok.convert_tokens_to_ids(S.PAD_TOKEN)
-    ids = {"image_token_id": tok.convert_tokens_to_ids(S.IMAGE_PAD), "pad_id": pad_id}
-
     with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
-        data_dir = args.data or tmp
-        if not args.data:
-            generate_dataset(tmp, args.samples, "parquet", seed=args.seed)
-        t0 = time.perf_counter()
-        measured = read_measured(data_dir, cfg, tok, cfg.budget)
-        samples, skipped = materialize_all(measured, cfg)
+        out = run_benchmark(args, tmp, wall)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+def run_benchmark(args, tmp: str, wall: float) -> dict:
+    cfg, tok, ids, make_model, model_desc = model_setup(args, tmp)
+    pad_id = ids["pad_id"]
+    data_dir = args.data or os.path.join(tmp, "data")
+    if not args.data:
+        generate_dataset(data_dir, args.samples, "parquet", seed=args.seed)
+    t0 = time.perf_counter()
+    measured = read_measured(data_dir, cfg, tok, cfg.budget)
+    samples, skipped = materialize_all(measured, cfg)
     prep_s = time.perf_counter() - t0
     lens = np.array([len(s["input_ids"]) for s in samples.values()])
     print(f"{len(samples)} samples ({len(skipped)} skipped), {lens.sum()} tokens, mean {lens.mean():.0f}, "
@@ -270,29 +342,43 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  skipped {sid}: {reason}")
 
     wanted = args.strategies.split(",")
+
+    def budget_plan(mode: str, max_tokens: int):
+        if max_tokens < args.max_tokens:
+            raise SystemExit(f"{mode}@{max_tokens}: below --max-tokens {args.max_tokens}, which the samples were "
+                             "fitted to; give the smaller budget as --max-tokens")
+        budget = BudgetConfig(**{**vars(cfg.budget), "mode": mode, "max_tokens": max_tokens})
+        return (f"{mode} (budget {max_tokens})",
+                build_batches(planned_groups(measured, samples, budget, args.seed), samples, mode, pad_id), max_tokens)
+
     plans = {
-        "pack": lambda: (f"pack (budget {args.max_tokens})", build_batches(
-            planned_groups(measured, samples, cfg.budget, args.seed), samples, "pack", pad_id), args.max_tokens),
-        "pad": lambda: (f"pad (budget {args.max_tokens})", build_batches(
-            planned_groups(measured, samples, BudgetConfig(**{**vars(cfg.budget), "mode": "pad"}), args.seed),
-            samples, "pad", pad_id), args.max_tokens),
+        "pack": lambda: budget_plan("pack", args.max_tokens),
+        "pad": lambda: budget_plan("pad", args.max_tokens),
         "fixed32": lambda: (f"fixed batch_size={FIXED_BATCH_SIZE}, pad longest", build_batches(
             fixed_groups(samples, FIXED_BATCH_SIZE), samples, "pad", pad_id), None),
     }
     plans["pack_tmask"] = lambda: ("pack, T x T mask (before buckets)", *plans["pack"]()[1:])
     plans["pad_mask"] = lambda: ("pad, [B,1,L,L] mask (before is_causal)", *plans["pad"]()[1:])
+    for key in wanted:  # pack@N / pad@N: the same samples planned to a larger budget N, in the same run
+        mode, _, n = key.partition("@")
+        if mode in ("pack", "pad") and n.isdigit():
+            plans[key] = lambda mode=mode, n=int(n): budget_plan(mode, n)
     unknown = set(wanted) - set(plans)
     if unknown:
-        raise SystemExit(f"unknown strategies {sorted(unknown)}; choose from {sorted(plans)}")
+        raise SystemExit(f"unknown strategies {sorted(unknown)}; choose from {sorted(plans)} or pack@N / pad@N")
+    if args.model and {"pack_tmask", "pad_mask"} & set(wanted):
+        raise SystemExit("pack_tmask / pad_mask swap the built-in model's attention; not with --model")
     runs = []
     for key in wanted:
         name, batches, max_tokens = plans[key]()
         budget = args.fixed_budget_s if key == "fixed32" else args.budget_s
-        runs.append(StrategyRun(name, batches, cfg, len(tok), ids, max_tokens, budget))
+        runs.append(StrategyRun(name, batches, cfg, make_model, max_tokens, budget))
         if key == "pack_tmask":
             runs[-1].attend = attend_block_mask
         if key == "pad_mask":
             runs[-1].attend = attend_pad_mask
+    params = sum(p.numel() for p in runs[0].model.parameters())
+    print(f"model {model_desc}: {params / 1e6:.2f} M parameters; fp32, {args.threads} torch threads")
     load_before = os.getloadavg()
     results = run_interleaved(runs)
     load_after = os.getloadavg()
@@ -302,12 +388,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"load average (1/5/15 min) before {load_before}, after {load_after}")
     base = next((r for r in results if r["strategy"].startswith("fixed")), results[0])
     print(_table(results, base))
-    out = {"args": vars(args), "samples": len(samples), "skipped": skipped, "tokens": int(lens.sum()),
-           "torch": torch.__version__, "loadavg_before_after": [load_before, load_after], "wall_s": time.perf_counter() - wall, "results": results}
+    out = {"args": vars(args), "model": model_desc, "params": params, "samples": len(samples), "skipped": skipped,
+           "tokens": int(lens.sum()), "max_sample_tokens": int(lens.max()), "torch": torch.__version__,
+           "loadavg_before_after": [load_before, load_after], "wall_s": time.perf_counter() - wall, "results": results}
     print(f"wall {out['wall_s']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     return out
 
 
