@@ -71,11 +71,11 @@ class MeasureStage:
 
     def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig | None,
                  payloads=None):
-        from ray_mmbatch.data.text import load_tokenizer
+        from ray_mmbatch.data.text import tokenizer_for
 
         self.image_cfg, self.text_cfg, self.budget_cfg = image_cfg, text_cfg, budget_cfg
         self.payloads = payloads
-        self.tok = load_tokenizer(text_cfg.tokenizer)
+        self.tok = tokenizer_for(text_cfg)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
@@ -378,10 +378,10 @@ class InspectStage:
     """
 
     def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, measure_batch: int):
-        from ray_mmbatch.data.text import load_tokenizer
+        from ray_mmbatch.data.text import tokenizer_for
 
         self.image_cfg, self.text_cfg, self.measure_batch = image_cfg, text_cfg, max(1, int(measure_batch))
-        self.tok = load_tokenizer(text_cfg.tokenizer)
+        self.tok = tokenizer_for(text_cfg)
 
     def __call__(self, block) -> dict[str, np.ndarray]:
         from ray_mmbatch.data.measure import measure_batch
