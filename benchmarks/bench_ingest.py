@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = None
     data = args.data
     if not data:
-        from ray_mmbatch.data.generate import generate_dataset
+        from ray_mmbatch.synthetic.generate import generate_dataset
 
         tmp = tempfile.TemporaryDirectory(prefix="bench_ingest_")
         data = tmp.name

@@ -49,8 +49,8 @@ import torch.nn.functional as F
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching import Budget, collate_pack, plan_batches_arrays
 from ray_mmbatch.config import BudgetConfig, Config
-from ray_mmbatch.data.draw import COLOURS, SHAPES
-from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.synthetic.draw import COLOURS, SHAPES
+from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer, special_ids
 from ray_mmbatch.models.builtin import build_model, count_parameters

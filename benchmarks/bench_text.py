@@ -2,7 +2,7 @@
 
 Question: what does going through the chat template (data/text.py: rendered once per
 conversation shape, sentinels for text, one batched Rust call) cost against the plain
-format? Conversations: the generated mixture (data/generate.py ``make_good_sample``:
+format? Conversations: the generated mixture (synthetic/generate.py ``make_good_sample``:
 captions, 2-150-turn conversations, documents, multi-image, text-only), encoded with
 ``encode_conversations`` in batches of ``--batch`` as measure_batch does. Tokenizers:
 the shipped one (plain) and the same vocabulary saved as a checkpoint with the
@@ -28,7 +28,7 @@ import chat_templates  # noqa: E402
 
 from ray_mmbatch import schema as S  # noqa: E402
 from ray_mmbatch.config import TextConfig  # noqa: E402
-from ray_mmbatch.data.generate import make_good_sample  # noqa: E402
+from ray_mmbatch.synthetic.generate import make_good_sample  # noqa: E402
 from ray_mmbatch.data.text import SHIPPED_TOKENIZER, encode_conversations, image_token_id, tokenizer_for  # noqa: E402
 
 

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching import collate_pack, collate_pad
 from ray_mmbatch.config import BudgetConfig, Config
-from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer
 from ray_mmbatch.models.builtin import build_model, layers

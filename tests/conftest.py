@@ -52,7 +52,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def small_parquet_dataset(tmp_path_factory):
     """A small generated dataset (Parquet, HF style) shared by the Train / job tests."""
-    from ray_mmbatch.data.generate import generate_dataset
+    from ray_mmbatch.synthetic.generate import generate_dataset
 
     out = tmp_path_factory.mktemp("small_parquet")
     generate_dataset(str(out), 240, "parquet", seed=7, shard_size=60)

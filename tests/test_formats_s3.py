@@ -11,7 +11,7 @@ import pytest
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import DataConfig, ImageConfig, TextConfig
-from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.data.measure import measure_batch
 from ray_mmbatch.data.text import tokenizer_for
 from ray_mmbatch.formats.fs import DataLocationError

@@ -9,8 +9,8 @@ import pytest
 from PIL import Image, UnidentifiedImageError
 
 from ray_mmbatch import schema
-from ray_mmbatch.data import bad_samples, generate
-from ray_mmbatch.data.generate import generate_dataset, make_good_sample, tree_digest
+from ray_mmbatch.synthetic import bad_samples, generate
+from ray_mmbatch.synthetic.generate import generate_dataset, make_good_sample, tree_digest
 
 FORMAT_KEYS = ("parquet", "caption", "webdataset", "llava")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ray_mmbatch.config import Config
-from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.synthetic.generate import generate_dataset
 
 pytestmark = pytest.mark.ray
 

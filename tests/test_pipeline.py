@@ -14,7 +14,7 @@ import pytest
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching.collate import decode_batch
 from ray_mmbatch.config import Config
-from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.train.trainer import tokenizer_ids
 
 pytestmark = pytest.mark.ray

@@ -10,8 +10,8 @@ import pytest
 
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
-from ray_mmbatch.data import bad_samples
-from ray_mmbatch.data.generate import _build, generate_dataset, plan_entries
+from ray_mmbatch.synthetic import bad_samples
+from ray_mmbatch.synthetic.generate import _build, generate_dataset, plan_entries
 from ray_mmbatch.readers import read_raw, resolve_files
 
 pytestmark = pytest.mark.ray

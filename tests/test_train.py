@@ -16,7 +16,7 @@ import pytest
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
-from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.synthetic.generate import generate_dataset
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

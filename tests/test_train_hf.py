@@ -14,7 +14,7 @@ import torch
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
-from ray_mmbatch.data.generate import generate_dataset
+from ray_mmbatch.synthetic.generate import generate_dataset
 from tests.hf_checkpoints import make_qwen_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

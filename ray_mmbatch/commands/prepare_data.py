@@ -13,7 +13,7 @@ import time
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
-    from ray_mmbatch.data.generate import FORMATS, PARQUET_STYLES
+    from ray_mmbatch.synthetic.generate import FORMATS, PARQUET_STYLES
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder")
@@ -28,7 +28,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> dict:
-    from ray_mmbatch.data.generate import generate_dataset
+    from ray_mmbatch.synthetic.generate import generate_dataset
 
     a = build_parser(prog).parse_args(argv)
     start = time.perf_counter()

@@ -18,7 +18,7 @@ def ensure_demo_data(cfg) -> None:
     """No --data: generate (once) a small dataset next to the run."""
     if cfg.data.path:
         return
-    from ray_mmbatch.data.generate import generate_dataset
+    from ray_mmbatch.synthetic.generate import generate_dataset
 
     demo = Path(cfg.train.output_dir).resolve().parent / "demo_data"
     if not (demo / "manifest.json").exists():

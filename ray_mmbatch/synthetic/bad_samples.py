@@ -26,7 +26,7 @@ import numpy as np
 from PIL import Image
 
 from ray_mmbatch import schema
-from ray_mmbatch.data.draw import EncodedImage, Sample, draw_scene, encode, random_scene
+from ray_mmbatch.synthetic.draw import EncodedImage, Sample, draw_scene, encode, random_scene
 
 ALL = ("parquet", "caption", "webdataset", "llava")
 CONV = ("parquet", "webdataset", "llava")

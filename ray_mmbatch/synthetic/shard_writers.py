@@ -29,7 +29,7 @@ import tarfile
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ray_mmbatch.data.draw import Sample
+from ray_mmbatch.synthetic.draw import Sample
 
 IMAGE_STRUCT = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 TURN_STRUCT = pa.struct([("from", pa.string()), ("value", pa.string())])
