@@ -2,9 +2,10 @@
 
 Per image (real photo, skimage coffee, resized and encoded): header probe + grid, then the
 decode materialize does (decode, EXIF, RGB, bicubic resize, crop), the best of ``--repeat``
-runs on one core (timeit's convention: on a shared machine the least disturbed run). Columns: exact ms, fast ms (JPEG DCT draft + reducing_gap), their
-ratio, and for reference HF's own path (Image.open + exif_transpose + the PIL-backend
-processor, normalization included) at the same settings.
+runs on one core (timeit's convention: on a shared machine the least disturbed run).
+Columns: exact ms, fast ms (JPEG DCT draft + reducing_gap), their ratio, and for reference
+HF's own path (Image.open + exif_transpose + the PIL-backend processor, normalization
+included) at the same settings.
 
     python benchmarks/bench_decode.py [--repeat 7] [--json PATH]
 """

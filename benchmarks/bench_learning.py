@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\ntrained {len(losses)} steps ({tr['epochs']} epochs started) in {tr['train_s']:.0f} s; "
           f"initial held-out loss {out['initial_heldout_loss']:.3f}, first step {losses[0]:.3f}, "
           f"final train loss (mean of last {tail} steps) {out['final_train_loss']:.3f}")
-    print(f"\n{'held-out loss (nats/token)':<34} {'right':>8} {'shuffled':>9} {'diff':>8}  {'boot 95%':<17} {'tokens':>7}")
+    print(f"\n{'held-out loss (nats/token)':<34} {'right':>8} {'shuffled':>9} {'diff':>8}  "
+          f"{'boot 95%':<17} {'tokens':>7}")
     for row in table:
         print(_row(row["what"], row["right"], row["shuffled"], row["ci95"], row["tokens"]))
     pb = out["per_batch_diff"]

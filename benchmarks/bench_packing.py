@@ -193,12 +193,14 @@ def main(argv=None):
     for r in rows:
         sp = f"{r['samples_per_s']:10.0f}" if r["samples_per_s"] else f"{'':10s}"
         print(f"{r['strategy']:52s} {r['fill']:7.2%} {r['budget_fill']:7.2%} {r['n_batches']:8d} "
-              f"{r['lower_bound']:6d} {r['window_lower_bound'] or '':>7} {r['largest_vs_budget']:8.2f} {r['truncated_tokens']:9d} {sp}"
+              f"{r['lower_bound']:6d} {r['window_lower_bound'] or '':>7} {r['largest_vs_budget']:8.2f} "
+              f"{r['truncated_tokens']:9d} {sp}"
               + (" held mean {held_mean:.0f} max {held_max} (cap {cap:.0%}), waited <= {max_windows_waited}"
                  .format(**r["carry"]) if r["carry"] else ""))
     print("(g) multi-budget pack_best_fit_decreasing, max_patches = 2 * max_tokens, window 2048")
     for r in multi:
-        print(f"    max_tokens {r['max_tokens']:6d}: {r['samples']} samples, fill {r['fill']:.2%}, {r['batches']} batches "
+        print(f"    max_tokens {r['max_tokens']:6d}: {r['samples']} samples, fill {r['fill']:.2%}, "
+              f"{r['batches']} batches "
               f"(patch bound {r['patch_bound']}), {r['samples_per_s']:.0f} samples/s, "
               f"{r['carry_samples_per_s']:.0f} with carry")
     if args.json:

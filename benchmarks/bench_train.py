@@ -134,7 +134,8 @@ def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
     if not args.model:
         cfg.model.attention = args.attention
         tok = load_tokenizer(cfg.text.tokenizer)
-        ids = {"image_token_id": tok.convert_tokens_to_ids(S.IMAGE_PAD), "pad_id": tok.convert_tokens_to_ids(S.PAD_TOKEN)}
+        ids = {"image_token_id": tok.convert_tokens_to_ids(S.IMAGE_PAD),
+               "pad_id": tok.convert_tokens_to_ids(S.PAD_TOKEN)}
         return cfg, tok, ids, lambda: build_model(cfg.model, cfg.image, vocab_size=len(tok), seed=args.seed, **ids), \
             f"built-in, attention {args.attention}"
     from ray_mmbatch.hf import config_from_checkpoint, load_model
@@ -285,7 +286,8 @@ def _table(results: list[dict], base: dict) -> str:
     for r in results:
         bfill = f"{r['budget_fill']:.1%}" if r["budget_fill"] is not None else "-"
         lines.append(
-            f"{r['strategy']:<34}{str(r['steps']) + '/' + str(r['planned_steps']):>8}{r['samples']:>8}{r['real_tokens_per_s']:>11.0f}{r['processed_tokens_per_s']:>11.0f}"
+            f"{r['strategy']:<34}{str(r['steps']) + '/' + str(r['planned_steps']):>8}{r['samples']:>8}"
+            f"{r['real_tokens_per_s']:>11.0f}{r['processed_tokens_per_s']:>11.0f}"
             f"{r['fill']:>8.1%}{bfill:>8}{r['train_s']:>9.1f}"
             f"{r['step_s_median']:>8.2f}/{r['step_s_max']:<7.2f}{r['largest_batch']:>12}"
             f"{r['peak_rss_mb']:>8.0f} (+{r['peak_step_rss_growth_mb']:.0f})"

@@ -157,7 +157,8 @@ class TrainConfig:
     """Optimizer steps to run; the cosine learning-rate schedule spans them. 0 = run all epochs, and the
     schedule follows the share of the samples done (counted up front from footers / indexes)."""
     epochs: int = 1
-    """Passes over the data, one after the other; each re-reads in its own order and re-plans with the epoch in the seed."""
+    """Passes over the data, one after the other; each re-reads in its own order and re-plans with the
+    epoch in the seed."""
     report_every: int = 5
     """Report metrics every N optimizer steps."""
     checkpoint_every: int = 20

@@ -85,7 +85,8 @@ def hint_for(reason: str, examples: list[tuple[str, str]], data_cfg=None) -> str
         return ("no assistant text to train on: check --text-column (and --set text.train_on_prompt=true "
                 "for text without roles)")
     if reason == S.SKIP_FILE_TOO_LARGE:
-        return "image files / tar members over data.max_file_bytes: raise it (--set data.max_file_bytes=N) if they are real"
+        return ("image files / tar members over data.max_file_bytes: raise it (--set data.max_file_bytes=N) "
+                "if they are real")
     if reason == "unreadable_file" and data_cfg is not None:
         return f"files that do not read as {data_cfg.format} (--format): check the path and that the files are whole"
     if reason == S.SKIP_MALFORMED_RECORD and data_cfg is not None:

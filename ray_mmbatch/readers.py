@@ -98,7 +98,8 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -
     if not tables:
         empty = rows_to_table([])
         return empty.select(list(schema.RAW_COLUMNS)).append_column(schema.UNIT, pa.array([], pa.int64())) \
-            .append_column(schema.UNIT_ROW, pa.array([], pa.int64())).append_column(schema.UNIT_ROWS, pa.array([], pa.int64()))
+            .append_column(schema.UNIT_ROW, pa.array([], pa.int64())) \
+            .append_column(schema.UNIT_ROWS, pa.array([], pa.int64()))
     return pa.concat_tables(tables)
 
 

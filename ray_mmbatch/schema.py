@@ -83,7 +83,8 @@ BATCH_SAMPLE_IDS = "sample_ids"  # list<str>
 # untouched; the scalar columns are there for stats without decoding.
 BATCH_PAYLOAD = "payload"        # binary: encoded dict of numpy arrays (collate.encode_batch)
 BATCH_REAL_TOKENS = "real_tokens"      # int: non-padding tokens in the batch
-BATCH_PADDED_TOKENS = "padded_tokens"  # int: tokens of compute the batch occupies (budget for pack, rows*longest for pad)
+BATCH_PADDED_TOKENS = "padded_tokens"  # int: tokens of compute the batch occupies
+                                       # (budget for pack, rows*longest for pad)
 BATCH_TARGET_TOKENS = "target_tokens"  # int: tokens with a label (loss normalizer)
 BATCH_N_SAMPLES = "n_samples"          # int
 BATCH_SKIPPED = "skipped"              # str: JSON list of [sample_id, reason] dropped while materializing
@@ -123,7 +124,8 @@ def canonical_role(role) -> str | None:
 # What a training run writes under its output dir (read by jobs/report.py).
 RUN_SUMMARY = "summary.json"     # final figures (see train/loop.py)
 RUN_METRICS = "metrics.jsonl"    # one JSON object per report: step, loss, tokens_per_s, ...
-RUN_BATCHES = "batches.jsonl"    # one JSON object per trained batch: step, rank, real/padded/target tokens, n_samples, budget
+RUN_BATCHES = "batches.jsonl"    # one JSON object per trained batch: step, rank, real/padded/target tokens,
+                                 # n_samples, budget
 RUN_SKIPPED = "skipped.csv"      # id,reason for every skipped sample
 RUN_LEDGER = "ledger"            # folder: per-rank sample-id ledger files (optional)
 

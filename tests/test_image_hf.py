@@ -33,7 +33,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-# Qwen2-VL / Qwen2.5-VL settings (token budgets kept small so the tests are fast) and Qwen3-VL's (patch 16, mean/std 0.5)
+# Qwen2-VL / Qwen2.5-VL settings (token budgets kept small so the tests are fast) and Qwen3-VL's
+# (patch 16, mean/std 0.5)
 QWEN2 = ImageConfig(patch_size=14, merge_size=2, min_pixels=4 * 28 * 28, max_pixels=256 * 28 * 28,
                     image_mean=CLIP_MEAN, image_std=CLIP_STD, temporal_patch_size=2)
 QWEN3 = ImageConfig(patch_size=16, merge_size=2, min_pixels=4 * 32 * 32, max_pixels=256 * 32 * 32,

@@ -45,7 +45,8 @@ print(json.dumps({"trained": trained, "skipped": skipped,
 
 
 def run_child(path: Path, oversize: str = "truncate") -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), oversize], capture_output=True, text=True, timeout=300,
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(path), oversize], capture_output=True, text=True,
+                         timeout=300,
                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -170,7 +170,7 @@ def test_batch_equals_each_sample_alone_through_hf(family, mode):
         ours = _split(family.model.target_ce(batch), family, which)
         refs = [_reference_ce(family, i) for i in which]
     worst = 0.0
-    for i, (a, b) in enumerate(zip(ours, refs)):
+    for _i, (a, b) in enumerate(zip(ours, refs)):
         assert a.shape == b.shape and len(a) > 0
         worst = max(worst, float((a - b).abs().max()))
     print(f"{family.name} {mode}: max per-token |CE diff| = {worst:.2e}")
@@ -343,7 +343,8 @@ def test_configure_refuses_a_tokenizer_with_another_image_token_id(qwen2_dir, tm
     core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", pad_token=S.PAD_TOKEN).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"--tokenizer .*<\|image_pad\|> is id 10, but the model's image_token_id is 6"):
+    with pytest.raises(ValueError,
+                       match=r"--tokenizer .*<\|image_pad\|> is id 10, but the model's image_token_id is 6"):
         qwen_vl.configure(_fresh(qwen2_dir, text__tokenizer=str(tmp_path)))
     ok = qwen_vl.configure(_fresh(qwen2_dir, text__tokenizer=str(SHIPPED_TOKENIZER)))  # same ids: accepted
     assert ok.text.tokenizer == str(SHIPPED_TOKENIZER)

@@ -164,7 +164,8 @@ def test_carry_plans_across_windows_in_ray(ray_cluster, bad_webdataset):
         cfg.budget.window = 32
         rows = [r for r in _run(cfg) if int(r[S.BATCH_N_SAMPLES])]
         plans[carry] = (sorted(s for r in rows for s in r[S.BATCH_SAMPLE_IDS]), len(rows),
-                        sum(int(r[S.BATCH_REAL_TOKENS]) for r in rows) / sum(int(r[S.BATCH_PADDED_TOKENS]) for r in rows))
+                        sum(int(r[S.BATCH_REAL_TOKENS]) for r in rows)
+                        / sum(int(r[S.BATCH_PADDED_TOKENS]) for r in rows))
     assert plans[0.5][0] == plans[0.0][0]
     assert plans[0.5][1] < plans[0.0][1], plans
     assert plans[0.5][2] > plans[0.0][2]

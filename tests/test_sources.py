@@ -24,7 +24,8 @@ CONV = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "
 
 
 def test_conversations_validated_and_normalized():
-    text, err = conversations_to_json([{"from": "user", "value": "hi", "extra": 1}, {"from": "assistant", "value": "yo"}])
+    text, err = conversations_to_json([{"from": "user", "value": "hi", "extra": 1},
+                                       {"from": "assistant", "value": "yo"}])
     assert err == "" and json.loads(text) == [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
     for bad, detail in [(None, "missing"), ("hello", "not a list"), ([{"value": "x"}], "role"),
                         ([{"from": "gpt", "value": 3}], "value is int"), (["x"], "not an object")]:
@@ -121,7 +122,8 @@ def test_webdataset_truncated_tar_keeps_rows_and_reports_the_tail():
     # the member being read when the shard ended is its sample's problem, not a sample with fewer images
     assert rows[20][schema.SAMPLE_ID] == "cut.tar/big" and "cut off" in rows[20][schema.READ_ERROR]
     rows = rows[:20] + rows[21:]
-    assert rows[-1][schema.READ_ERROR].startswith(schema.SKIP_MALFORMED_RECORD) and "cut.tar" in rows[-1][schema.READ_ERROR]
+    assert (rows[-1][schema.READ_ERROR].startswith(schema.SKIP_MALFORMED_RECORD)
+            and "cut.tar" in rows[-1][schema.READ_ERROR])
 
 
 @pytest.fixture

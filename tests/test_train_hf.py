@@ -1,9 +1,10 @@
 """Ray Train on a user's Hugging Face checkpoint (a tiny random Qwen2-VL): train, stop, resume, export.
 
-Two workers on the shared local cluster, with DDP and with FSDP2 (gloo on CPU). The run stops at step 2, is re-run with the same
-output dir and resumes (model, optimizer and data position restored) to step 4; every
-sample trained is trained once, and OUTPUT_DIR/model is a Hugging Face checkpoint that
-``from_pretrained`` loads, with weights that moved away from the starting checkpoint.
+Two workers on the shared local cluster, with DDP and with FSDP2 (gloo on CPU). The run stops
+at step 2, is re-run with the same output dir and resumes (model, optimizer and data position
+restored) to step 4; every sample trained is trained once, and OUTPUT_DIR/model is a Hugging
+Face checkpoint that ``from_pretrained`` loads, with weights that moved away from the starting
+checkpoint.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
     assert trained and len(trained) == len(set(trained)), "a sample was trained twice across the resume"
     losses = [json.loads(ln)["loss"] for ln in (out / S.RUN_METRICS).read_text().splitlines()]
     assert all(0 < x < 20 for x in losses)
-    assert summary["config"]["image"]["patch_size"] == 14 and summary["config"]["text"]["image_token"] == "<|image_pad|>"
+    assert (summary["config"]["image"]["patch_size"] == 14
+            and summary["config"]["text"]["image_token"] == "<|image_pad|>")
 
     exported = AutoModelForImageTextToText.from_pretrained(out / "model")
     start = AutoModelForImageTextToText.from_pretrained(ck)

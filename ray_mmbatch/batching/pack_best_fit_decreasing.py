@@ -98,8 +98,12 @@ class _SideRooms:
     def add(self, b: int, idx: int, token_room) -> bool:
         """Account sample ``idx`` in batch ``b``; False when the batch is full by count."""
         if b == len(self.pl):
-            self.pl.append(self.limits[0]); self.ml.append(self.limits[1]); self.cl.append(self.limits[2])
-        self.pl[b] -= self.p[idx]; self.ml[b] -= self.m[idx]; self.cl[b] -= 1
+            self.pl.append(self.limits[0])
+            self.ml.append(self.limits[1])
+            self.cl.append(self.limits[2])
+        self.pl[b] -= self.p[idx]
+        self.ml[b] -= self.m[idx]
+        self.cl[b] -= 1
         self.patch_room[b] = self.pl[b]
         self.image_room[b] = self.ml[b]
         if self.cl[b] < 1:

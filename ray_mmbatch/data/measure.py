@@ -22,8 +22,8 @@ sample never has a label (packed samples never predict across a boundary)::
 
 Cost (one core, default ImageConfig): measure ~110 us/sample (~9,000 samples/s) for a
 one-JPEG short Q/A, ~330 us/sample over the generated mixture (generate.py; long
-conversations dominate); materialize ~2.2 ms/sample over that mixture; materialize is dominated by decoding: ~4 ms for a 600x400 JPEG,
-~12 ms for a 3000x2000 JPEG (DCT draft), ~11 ms for a 512x512 PNG.
+conversations dominate). materialize is dominated by image decoding, which grows with the
+source image's size; per-image decode costs are in benchmarks/RESULTS.md ("bench_decode").
 Pure module: no ray, no torch.
 """
 from __future__ import annotations

@@ -141,7 +141,8 @@ def llava_row(record, image_root: str, sid: str, max_bytes: int = 0, max_chars: 
     field = record.get("image", record.get("images"))
     refs = [] if field is None else [field] if isinstance(field, str) else field
     if not isinstance(refs, list):
-        return raw_row(sid, conv, read_error=error(schema.SKIP_MALFORMED_RECORD, f"image field is {type(field).__name__}"))
+        return raw_row(sid, conv,
+                       read_error=error(schema.SKIP_MALFORMED_RECORD, f"image field is {type(field).__name__}"))
     ref_strs = [safe_text(r) for r in refs]
     if err:
         return raw_row(sid, conv, image_refs=ref_strs, read_error=err)

@@ -1,4 +1,5 @@
-"""WebDataset: tar shards (``.tar``, ``.tar.gz``, ``.tgz``) of ``KEY.json`` / ``KEY.txt`` + ``KEY.jpg``, ``KEY.1.png`` ...
+"""WebDataset: tar shards (``.tar``, ``.tar.gz``, ``.tgz``) of ``KEY.json`` / ``KEY.txt`` + ``KEY.jpg``,
+``KEY.1.png`` ...
 
 Read unit: one shard, streamed (``tarfile`` "r|*" over the filesystem's input stream: a
 shard is never held whole, a gzip one is inflated as it goes). Members are grouped by

@@ -80,7 +80,8 @@ def _scene_qa(rng, scene) -> tuple[str, str]:
     if pick == 6:
         other = list(COLOURS)[int(rng.integers(len(COLOURS)))]
         present = any(t.colour == other for t in scene.shapes)
-        return f"Is there a {other} shape?", ("Yes." if present else "No.") + f" The shapes are {', '.join(t.colour for t in scene.shapes)}."
+        return f"Is there a {other} shape?", (("Yes." if present else "No.")
+                                              + f" The shapes are {', '.join(t.colour for t in scene.shapes)}.")
     return "Describe the image in detail.", caption(scene)
 
 
@@ -155,7 +156,8 @@ def _text_only_sample(rng, sid):
         a, b = (int(x) for x in rng.integers(0, 1000, 2))
         pick = int(rng.integers(3))
         if pick == 0:
-            conv += [{"from": "human", "value": f"What is {a} + {b}?"}, {"from": "gpt", "value": f"{a} + {b} = {a + b}."}]
+            conv += [{"from": "human", "value": f"What is {a} + {b}?"},
+                     {"from": "gpt", "value": f"{a} + {b} = {a + b}."}]
         elif pick == 1:
             w = list(COLOURS)[int(rng.integers(len(COLOURS)))]
             conv += [{"from": "human", "value": f"Spell \"{w}\" backwards."}, {"from": "gpt", "value": w[::-1]}]
@@ -173,9 +175,11 @@ def make_good_sample(index: int, seed: int) -> Sample:
     """Good sample ``index``: its category and content depend only on (seed, index)."""
     rng = np.random.default_rng([seed, index])
     r, edge = rng.random(), 0.0
-    for category, share in MIXTURE:
+    category = MIXTURE[-1][0]
+    for name, share in MIXTURE:
         edge += share
         if r < edge:
+            category = name
             break
     sid = f"s{index:07d}"
     conv, images = BUILDERS[category](rng, sid)
