@@ -45,18 +45,17 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from common import read_measured  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching import Budget, collate_pack, plan_batches_arrays
 from ray_mmbatch.config import BudgetConfig, Config
-from ray_mmbatch.synthetic.draw import COLOURS, SHAPES
-from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.data.measure import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer, special_ids
 from ray_mmbatch.models.builtin import build_model, count_parameters
+from ray_mmbatch.synthetic.draw import COLOURS, SHAPES
+from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step, token_loss_sum
-
-from common import read_measured  # noqa: E402  (benchmarks/ is on sys.path when a script runs)
 
 CAPTION_PROMPTS = (S.IMAGE_PLACEHOLDER, f"{S.IMAGE_PLACEHOLDER}\nWrite a short caption for this picture.")
 CATEGORIES = ("caption", "conversation")

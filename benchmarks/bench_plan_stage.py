@@ -26,8 +26,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -101,8 +99,8 @@ def main(argv=None):
 
     import ray
 
-    from ray_mmbatch.synthetic.generate import generate_dataset
     from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.synthetic.generate import generate_dataset
     from ray_mmbatch.train.trainer import tokenizer_ids
 
     data = args.data

@@ -26,10 +26,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import chat_templates  # noqa: E402
 
-from ray_mmbatch import schema as S  # noqa: E402
 from ray_mmbatch.config import TextConfig  # noqa: E402
-from ray_mmbatch.synthetic.generate import make_good_sample  # noqa: E402
 from ray_mmbatch.data.text import SHIPPED_TOKENIZER, encode_conversations, image_token_id, tokenizer_for  # noqa: E402
+from ray_mmbatch.synthetic.generate import make_good_sample  # noqa: E402
 
 
 def checkpoint(template: str, extra=()) -> str:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pyarrow as pa
 

@@ -69,7 +69,7 @@ class MeasureStage:
     returns LIGHT rows (LIGHT_COLUMNS); without, full MEASURED rows.
     """
 
-    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig | None,
+    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig,
                  payloads=None):
         from ray_mmbatch.data.text import tokenizer_for
 
@@ -82,8 +82,7 @@ class MeasureStage:
 
         measured = measure_batch(batch, self.image_cfg, self.tok, self.text_cfg)
         measured.update({c: batch[c] for c in S.READ_POSITION_COLUMNS if c in batch})
-        if self.budget_cfg is not None:
-            measured = fit_batch_to_budget(measured, self.budget_cfg)
+        measured = fit_batch_to_budget(measured, self.budget_cfg)
         return measured if self.payloads is None else light_rows(measured, self.payloads)
 
 
@@ -294,8 +293,7 @@ def uses_carry(budget_cfg: BudgetConfig) -> bool:
     return resolve_carry(budget_cfg.mode, budget_cfg.carry) > 0
 
 
-def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end_marker: bool = False,
-                     done=None, payloads=None):
+def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done=None, payloads=None):
     """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
 
     Epochs after the first read their units (row groups / shards / chunks) in a seeded order.
@@ -308,7 +306,7 @@ def measured_dataset(cfg: Config, epoch: int = 0, apply_budget: bool = True, end
     ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=shuffle, end_marker=end_marker, done=done)
     return ds.map_batches(
         MeasureStage, batch_size=cfg.data.measure_batch, batch_format="numpy",
-        fn_constructor_args=(cfg.image, cfg.text, cfg.budget if apply_budget else None, payloads),
+        fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads),
         compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
         **_stage_args(cfg),
     )

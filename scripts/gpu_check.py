@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT))
 def prepare(out: Path) -> None:
     from ray_mmbatch import local_batches
     from ray_mmbatch.batching.collate import encode_batch
-    from ray_mmbatch.synthetic.generate import generate_dataset
     from ray_mmbatch.hf import config_from_checkpoint
+    from ray_mmbatch.synthetic.generate import generate_dataset
     from tests.hf_checkpoints import make_qwen_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)

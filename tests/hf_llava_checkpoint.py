@@ -19,8 +19,14 @@ def make_llava_checkpoint(directory, initializer_range: float = 0.2, seed: int =
                           select_strategy: str = "default", image_processor: dict | None = None) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``image_processor`` overrides processor fields."""
     import torch
-    from transformers import (CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, PreTrainedTokenizerFast)
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        PreTrainedTokenizerFast,
+    )
 
     from ray_mmbatch.data.text import SHIPPED_TOKENIZER
     from tests.chat_templates import LLAVA

@@ -4,8 +4,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ray_mmbatch.batching import (Budget, OversizeError, SampleCost, batch_fill, plan_batches,
-                                  plan_batches_arrays, plan_stats)
+from ray_mmbatch.batching import (
+    Budget,
+    OversizeError,
+    SampleCost,
+    batch_fill,
+    plan_batches,
+    plan_batches_arrays,
+    plan_stats,
+)
 from ray_mmbatch.config import BudgetConfig
 
 

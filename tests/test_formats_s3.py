@@ -11,11 +11,11 @@ import pytest
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import DataConfig, ImageConfig, TextConfig
-from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.data.measure import measure_batch
 from ray_mmbatch.data.text import tokenizer_for
 from ray_mmbatch.formats.fs import DataLocationError
 from ray_mmbatch.readers import count_samples, read_units
+from ray_mmbatch.synthetic.generate import generate_dataset
 
 moto_server = pytest.importorskip("moto.server")
 BUCKET = "vlm-data"

@@ -16,8 +16,7 @@ from skimage import data as skdata
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig
-from ray_mmbatch.data.image import (ImageSkip, decode_image, image_grid, patchify, probe_image, smart_resize,
-                                    unpatchify)
+from ray_mmbatch.data.image import ImageSkip, decode_image, image_grid, patchify, probe_image, smart_resize, unpatchify
 from ray_mmbatch.models.builtin.rope import patch_positions
 
 CFG = ImageConfig()
@@ -93,7 +92,7 @@ def test_truncated_files_probe_fine_but_decode_is_corrupt():
         cut = full[: len(full) // 2]
         assert probe_image(cut, CFG) == (300, 451)
         assert skip_reason(decode, cut, (56, 84)) == S.SKIP_CORRUPT_IMAGE, fmt
-    assert not getattr(__import__("PIL.ImageFile").ImageFile, "LOAD_TRUNCATED_IMAGES")
+    assert not __import__("PIL.ImageFile").ImageFile.LOAD_TRUNCATED_IMAGES
 
 
 # ------------------------------------------------------------------ smart resize

@@ -20,8 +20,7 @@ from skimage import data as skdata
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig
-from ray_mmbatch.data.image import (ImageSkip, decode_image, image_grid, patchify, probe_image, smart_resize,
-                                    unpatchify)
+from ray_mmbatch.data.image import ImageSkip, decode_image, image_grid, patchify, probe_image, smart_resize, unpatchify
 from ray_mmbatch.models.hf_common import normalize_patches
 
 pytest.importorskip("transformers")

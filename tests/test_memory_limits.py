@@ -3,7 +3,6 @@ decoded. Every case is built here, run through the in-process data path (local_b
 process, and its peak RSS compared with a clean run of the same set without the hostile sample."""
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import os

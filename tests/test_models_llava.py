@@ -375,8 +375,8 @@ def test_export_round_trip(model, cfg, built, tmp_path):
 
 
 def test_registry_finds_the_backend(ckpt):
-    from ray_mmbatch.models import backend_name
     from ray_mmbatch.config import ModelConfig
+    from ray_mmbatch.models import backend_name
 
     try:
         assert backend_name(ModelConfig(path=str(ckpt))) == "llava"

@@ -10,9 +10,9 @@ import pytest
 
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
+from ray_mmbatch.readers import read_raw, resolve_files
 from ray_mmbatch.synthetic import bad_samples
 from ray_mmbatch.synthetic.generate import _build, generate_dataset, plan_entries
-from ray_mmbatch.readers import read_raw, resolve_files
 
 pytestmark = pytest.mark.ray
 SAMPLES, SEED, BAD = 36, 5, 1

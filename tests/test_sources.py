@@ -14,11 +14,11 @@ import pytest
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
 from ray_mmbatch.data import sources
+from ray_mmbatch.data.sources import webdataset_samples
 from ray_mmbatch.formats import fs as formats_fs
 from ray_mmbatch.formats.llava import llava_rows, resolve_image_path
 from ray_mmbatch.formats.parquet import parquet_rows
 from ray_mmbatch.formats.records import conversations_to_json
-from ray_mmbatch.data.sources import webdataset_samples
 
 CONV = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A cat."}]
 

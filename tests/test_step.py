@@ -14,13 +14,18 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_model import crop, four_samples, make_sample, make_tokenizer, one_torch_thread, pack, pad, tiny_model  # noqa: F401
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import TrainConfig
-from ray_mmbatch.train.step import (accumulate_gradients, batch_to_torch, build_optimizer, lr_lambda,
-                                    optimizer_step, token_loss_sum)
-from test_model import (crop, four_samples, make_sample, make_tokenizer, one_torch_thread,  # noqa: F401
-                        pack, pad, tiny_model)
+from ray_mmbatch.train.step import (
+    accumulate_gradients,
+    batch_to_torch,
+    build_optimizer,
+    lr_lambda,
+    optimizer_step,
+    token_loss_sum,
+)
 
 
 @pytest.fixture(scope="module")

@@ -5,16 +5,24 @@ import io
 import json
 import warnings
 
+import chat_templates
 import numpy as np
 import pytest
 from PIL import Image
 
-import chat_templates
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.measure import fit_to_budget, measure_batch
-from ray_mmbatch.data.text import (SHIPPED_TOKENIZER, ChatTemplateError, TextSkip, encode_conversations,
-                                   image_token_id, load_tokenizer, tokenizer_for, uses_template)
+from ray_mmbatch.data.text import (
+    SHIPPED_TOKENIZER,
+    ChatTemplateError,
+    TextSkip,
+    encode_conversations,
+    image_token_id,
+    load_tokenizer,
+    tokenizer_for,
+    uses_template,
+)
 
 LLAVA_IMAGE = "<image>"
 NASTY = "<|im_start|>assistant\n<|image_pad|> <image> <|vision_start|><|im_end|><|endoftext|> USER: ASSISTANT:"

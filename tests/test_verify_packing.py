@@ -14,7 +14,6 @@ import pytest
 
 from ray_mmbatch.batching.collate import collate_pack, collate_pad
 from ray_mmbatch.batching.layout import split_batch
-from ray_mmbatch.config import Config
 from ray_mmbatch.synthetic.generate import generate_dataset
 from tests.hf_checkpoints import make_qwen_checkpoint
 

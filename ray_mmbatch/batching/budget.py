@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class OversizeError(ValueError):
     (truncate / skip) must run before planning; the planner never drops or
     squeezes a sample silently."""
 
-    def __init__(self, index: int, cost: "SampleCost", why: str):
+    def __init__(self, index: int, cost: SampleCost, why: str):
         self.index = int(index)
         self.cost = cost
         self.why = why
@@ -85,7 +86,7 @@ class Budget:
             raise ValueError(f"attn_weight must be a finite number >= 0, got {self.attn_weight!r}")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "Budget":
+    def from_config(cls, cfg: Any) -> Budget:
         """Build from ``config.BudgetConfig`` (planner-only fields are ignored)."""
         return cls(max_tokens=cfg.max_tokens, mode=cfg.mode, max_patches=cfg.max_patches,
                    max_images=cfg.max_images, max_samples=cfg.max_samples,
@@ -191,7 +192,7 @@ class Budget:
             setattr(self, k, v)
         self.__post_init__()
 
-    def limits(self) -> "Budget":
+    def limits(self) -> Budget:
         """A copy with the same limits and an empty running state."""
         return Budget(self.max_tokens, self.mode, self.max_patches, self.max_images,
                       self.max_samples, self.attn_weight)

@@ -28,17 +28,15 @@ guarantee is that ``flush()`` is called when the stream ends (the Ray stage
 sees an end-of-stream marker row, see pipeline.py); a ``feed`` after ``flush``
 holds nothing back, so a late window is planned on its own, never lost.
 
-Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
-16,384 tokens, window 2048): pack 99.43% -> 99.84% fill (carry <= 5% of the
-window: mean 24, max 99 samples held), pad 98.24% -> 98.53% padded fill
-(carry <= 10%: mean 200, max 204; about what independent windows of 2560 reach).
-Planner speed with carry: ~2.0M (pack and pad) samples/s on one core (batch scores are
-vectorized with reduceat; bench_packing.py (e)).
+Batch scores are vectorized with reduceat, so carrying costs about one extra planning pass
+over the held samples. Fill with and without carry, samples held and planner speed:
+benchmarks/bench_packing.py (e); figures in benchmarks/RESULTS.md ("Packing").
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from itertools import chain
-from typing import Generic, Sequence, TypeVar
+from typing import Generic, TypeVar
 
 import numpy as np
 

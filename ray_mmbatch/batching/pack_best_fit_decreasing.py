@@ -9,15 +9,11 @@ gaps, which is why BFD lands on or next to the lower bound ceil(sum / max_tokens
 Remaining rooms live in one sorted Python list, so "tightest fit" is a bisect
 and the per-sample work is a few list operations on ~n/avg-batch entries.
 In pad mode the same loop runs with rooms counted in rows (see below).
-Cost: O(n log n) sort + O(n * (log b + b_memmove)); ~0.5 us per sample. With a patch,
-image or count budget, a batch that lacks room on those costs one vectorized pass over the
-open batches (_SideRooms) rather than a check per batch.
-Measured (benchmarks/bench_packing.py, realistic mixture, 65,536 samples,
-16384 tokens): fill 99.43% at window 2048 with 3202 batches where the sum of
-per-window lower bounds is 3201 (so at most 99.46% is possible there; carry
-across windows, batching/carry.py, reaches 99.84%); 98.0% at
-window 512, 99.81% at 8192; ~2M samples/s on one core; ~0.3-0.55M with max_patches =
-2 x max_tokens binding (bench_packing.py (g)). The pack default.
+Cost: O(n log n) sort + O(n * (log b + b_memmove)). With a patch, image or count budget,
+a batch that lacks room on those costs one vectorized pass over the open batches
+(_SideRooms) rather than a check per batch. The pack default: its fill against the
+per-window lower bound and its speed (token budget alone, and with max_patches binding)
+are measured by benchmarks/bench_packing.py; figures in benchmarks/RESULTS.md ("Packing").
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ Cost: validation O(n) vectorized + the planner + O(batches) shuffle.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 

@@ -7,7 +7,7 @@ limits gives the longest feasible run. Cost: O(n) once, O(log n) per query.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

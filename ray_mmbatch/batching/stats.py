@@ -10,7 +10,7 @@ Cost: O(n) vectorized (one argsort of the batch ids).
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -8,8 +8,14 @@ import io
 
 from ray_mmbatch.formats.llava import llava_row, llava_rows, resolve_image_path  # noqa: F401
 from ray_mmbatch.formats.parquet import parquet_rows  # noqa: F401
-from ray_mmbatch.formats.records import (RAW_ARROW_SCHEMA, conversations_to_json, error, raw_row,  # noqa: F401
-                                         rows_to_table, text_to_json)
+from ray_mmbatch.formats.records import (  # noqa: F401
+    RAW_ARROW_SCHEMA,
+    conversations_to_json,
+    error,
+    raw_row,
+    rows_to_table,
+    text_to_json,
+)
 from ray_mmbatch.formats.webdataset import split_member  # noqa: F401
 
 

@@ -91,7 +91,7 @@ def tokenizer_for(text_cfg) -> Any:
     return tok
 
 
-_TEMPLATE_MODE: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_TEMPLATE_MODE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 @functools.lru_cache(maxsize=8)
@@ -236,7 +236,7 @@ class _DataEncoder:
         return behind[:len(self.newline)] == self.newline and behind[len(self.newline):] == want
 
 
-_ENCODERS: "weakref.WeakKeyDictionary[Any, dict[str, _DataEncoder]]" = weakref.WeakKeyDictionary()
+_ENCODERS: weakref.WeakKeyDictionary[Any, dict[str, _DataEncoder]] = weakref.WeakKeyDictionary()
 
 
 def _encoder(tok, image_token: str) -> _DataEncoder:

@@ -26,8 +26,15 @@ import pyarrow.parquet as pq
 
 from ray_mmbatch import schema
 from ray_mmbatch.formats import fs
-from ray_mmbatch.formats.records import (conversations_to_json, error, file_skip_row, raw_row, rows_to_table,
-                                         sample_id, text_to_json)
+from ray_mmbatch.formats.records import (
+    conversations_to_json,
+    error,
+    file_skip_row,
+    raw_row,
+    rows_to_table,
+    sample_id,
+    text_to_json,
+)
 
 EXTS = (".parquet",)
 MESSAGES_COLUMN = "messages"  # HF / TRL chat layout

@@ -28,8 +28,15 @@ import zlib
 
 from ray_mmbatch import schema
 from ray_mmbatch.formats import fs
-from ray_mmbatch.formats.records import (conversations_to_json, error, file_skip_row, raw_row, safe_text,
-                                         sample_id, text_to_json)
+from ray_mmbatch.formats.records import (
+    conversations_to_json,
+    error,
+    file_skip_row,
+    raw_row,
+    safe_text,
+    sample_id,
+    text_to_json,
+)
 
 EXTS = (".tar", ".tar.gz", ".tgz")
 RECORD_EXT, TEXT_EXT = "json", "txt"

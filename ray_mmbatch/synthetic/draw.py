@@ -4,10 +4,9 @@ A picture is first a *spec* (plain data drawn from an rng), then pixels. The
 spec is what the texts describe (colour, shape, position, size, count, the
 rendered words), so a model can learn the mapping from pixels to words.
 
-Cost (2-core laptop, measured with ``generate_dataset``): a scene is drawn at
-<= 1024 px on its long side and costs ~1-3 ms to draw and encode; a document
-page (1000-3000 px per side, white with black lines of text) costs ~20-60 ms,
-dominated by rendering the text and the zlib/JPEG encode. Noise backgrounds
+Cost: a scene is drawn at <= 1024 px on its long side; a document page (1000-3000 px
+per side, white with black lines of text) costs about ten scenes, dominated by
+rendering the text and the zlib/JPEG encode (benchmarks/RESULTS.md, "Data generation"). Noise backgrounds
 are low-resolution noise upscaled, so they stay cheap and compressible.
 
 Pure module: Pillow and numpy only.

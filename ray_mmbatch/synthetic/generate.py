@@ -17,10 +17,9 @@ PNG. Every image of a sample has one ``<image>`` in the first human turn.
 Sample ``i`` is a function of (seed, i) only, so shards are generated in
 parallel (``multiprocessing`` spawn pool, one task per shard) and the output
 is byte-identical run to run. Bad samples (synthetic/bad_samples.py) are spread
-evenly among the good ones. Cost: ~3 ms of CPU per good sample (documents
-~18 ms, scenes ~1.5 ms, text ~0.1 ms), i.e. 10,000 samples in ~30 s of CPU;
-measured 29 s wall (parquet, workers=2, 2 cores) and 38-49 s when other jobs
-shared the cores.
+evenly among the good ones. Cost: a few ms of CPU per good sample, dominated by
+documents (drawing and encoding big pages); figures in benchmarks/RESULTS.md
+("Data generation").
 
 The format writers (one shard each) are in synthetic/shard_writers.py.
 """
@@ -35,8 +34,17 @@ import numpy as np
 
 from ray_mmbatch import schema
 from ray_mmbatch.synthetic import bad_samples
-from ray_mmbatch.synthetic.draw import (COLOURS, EncodedImage, Sample, draw_document, draw_scene, encode,
-                                   random_document, random_scene, visible_lines)
+from ray_mmbatch.synthetic.draw import (
+    COLOURS,
+    EncodedImage,
+    Sample,
+    draw_document,
+    draw_scene,
+    encode,
+    random_document,
+    random_scene,
+    visible_lines,
+)
 from ray_mmbatch.synthetic.shard_writers import WRITERS, manifest_ids
 
 MIXTURE = (("caption", 0.35), ("conversation", 0.30), ("document", 0.10), ("multi_image", 0.10),

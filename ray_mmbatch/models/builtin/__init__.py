@@ -5,8 +5,14 @@ data path's defaults and ``export`` writes a plain state dict with the config.
 """
 from __future__ import annotations
 
-from ray_mmbatch.models.builtin.attention import (BACKENDS, AttentionLayout, attend, pack_layout, pad_layout,
-                                                  resolve_backend)
+from ray_mmbatch.models.builtin.attention import (
+    BACKENDS,
+    AttentionLayout,
+    attend,
+    pack_layout,
+    pad_layout,
+    resolve_backend,
+)
 from ray_mmbatch.models.builtin.vlm import VisionLanguageModel, batch_mode, build_model, count_parameters
 
 NAME = "builtin"

@@ -6,7 +6,7 @@ one module serves both towers and every attention backend.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
