@@ -349,6 +349,8 @@ def summary_table(summary: dict[str, Any], out_dir: str | Path) -> str:
         ("steps", f"{summary.get('steps', 0)}"),
         ("samples", f"{summary.get('samples', 0):,} trained, {summary.get('skipped_total', 0):,} skipped"
                     + (f" ({top})" if top else "")),
+        *([("files", f"{summary['skipped_files']:,} could not be read (unreadable_file in the skip report)")]
+          if summary.get("skipped_files") else []),
         ("loss", f"{_f(summary.get('initial_loss'))} -> {_f(summary.get('final_loss'))}"),
         ("tokens", f"{summary.get('real_tokens', 0):,} real, fill {100 * float(summary.get('fill') or 0):.1f}%"),
         ("speed", f"{float(summary.get('tokens_per_s') or 0):,.0f} real tokens/s"),

@@ -123,3 +123,7 @@ def test_progress_follows_the_metrics_file(tmp_path):
     table = summary_table({"steps": 10, "samples": 50, "skipped": {"missing_file": 2}, "skipped_total": 2,
                            "initial_loss": 9.0, "final_loss": 1.5, "checkpoint": "/x/ck"}, tmp_path)
     assert "missing_file 2" in table and str(tmp_path / "summary.json") in table and "/x/ck" in table
+    assert "could not be read" not in table
+    summary = {"steps": 1, "skipped": {"unreadable_file": 3}, "skipped_total": 3, "skipped_files": 3}
+    table = summary_table(summary, tmp_path)
+    assert "3 could not be read" in table
