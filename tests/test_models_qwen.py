@@ -30,6 +30,7 @@ from ray_mmbatch.models import qwen_vl
 from ray_mmbatch.models.hf_common import normalize_patches
 from ray_mmbatch.train.step import batch_to_torch
 from tests.hf_checkpoints import QWEN_MODEL_TYPES, make_qwen_checkpoint
+from tests.test_measure import columns as _columns
 
 TOL = 1e-4  # nats per token, fp32
 COLLATE = {"pack": collate_pack, "pad": collate_pad}
@@ -69,13 +70,6 @@ def _raw_rows() -> list[dict]:
             for sid, conv, images in specs]
 
 
-def _columns(rows: list[dict]) -> dict:
-    out = {}
-    for c in S.RAW_COLUMNS:
-        col = np.empty(len(rows), dtype=object)
-        col[:] = [r[c] for r in rows]
-        out[c] = col
-    return out
 
 
 @pytest.fixture(scope="module", params=QWEN_MODEL_TYPES)
