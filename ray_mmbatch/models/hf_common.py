@@ -122,6 +122,17 @@ def load_hf_model(path: str, attn_implementation: str = "auto", device_type: str
     return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
 
 
+def check_token_ids(hf_model, ids: dict, hint: str) -> None:
+    """The run's tokenizer (``ids`` from models.token_ids) must match the loaded model: the same image
+    token id, and no more tokens than the model embeds; ``hint`` says what to do otherwise."""
+    if int(ids["image_token_id"]) != int(hf_model.config.image_token_id):
+        raise ValueError(f"tokenizer image token id {ids['image_token_id']} != the model's image_token_id "
+                         f"{hf_model.config.image_token_id}; {hint}")
+    rows = hf_model.get_input_embeddings().num_embeddings
+    if int(ids["vocab_size"]) > rows:
+        raise ValueError(f"tokenizer has {ids['vocab_size']} tokens but the model embeds {rows}; {hint}")
+
+
 def enable_activation_checkpointing(hf_model) -> None:
     """Recompute each layer's activations in the backward pass (non-reentrant), by the name this
     transformers version has (``activation_checkpointing_enable`` from v5.2x, before it
@@ -171,13 +182,16 @@ class HFModel(nn.Module):
         kwargs["use_cache"] = False
         return kwargs
 
+    def _target_ce(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
+        """CE of the target positions only (our labels are already shifted); fp32 even under autocast."""
+        is_target = labels != IGNORE_INDEX
+        logits = self.hf_model.lm_head(hidden[is_target]).float()
+        return F.cross_entropy(logits, labels[is_target].long(), reduction=reduction)
+
     def target_ce(self, batch: dict) -> torch.Tensor:
         """fp32 CE of every target token, in sequence order (row-major over the batch): for exactness checks."""
         hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
-        labels = batch["labels"]
-        is_target = labels != IGNORE_INDEX
-        logits = self.hf_model.lm_head(hidden[is_target]).float()
-        return F.cross_entropy(logits, labels[is_target].long(), reduction="none")
+        return self._target_ce(hidden, batch["labels"], "none")
 
     def forward(self, batch: dict, loss_only: bool = False):
         hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
@@ -187,9 +201,7 @@ class HFModel(nn.Module):
         if not loss_only:
             return self.hf_model.lm_head(hidden)
         labels = batch["labels"]
-        is_target = labels != IGNORE_INDEX
-        logits = self.hf_model.lm_head(hidden[is_target]).float()  # fp32 CE even under autocast
-        return F.cross_entropy(logits, labels[is_target].long(), reduction="sum"), is_target.sum()
+        return self._target_ce(hidden, labels, "sum"), (labels != IGNORE_INDEX).sum()
 
 
 def export_hf(model: nn.Module, cfg, directory, state_dict: dict | None = None) -> Path:

@@ -203,20 +203,16 @@ def create_model(cfg, ids: dict):
     """The checkpoint in fp32 wrapped in HFModel with the LLaVA adapter; tokenizer ids checked against it."""
     import torch
 
-    from ray_mmbatch.models.hf_common import HFModel, load_hf_model
+    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
 
     device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
     hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, device_type)
-    if int(ids["image_token_id"]) != int(hf.config.image_token_id):
-        raise ValueError(f"tokenizer image token id {ids['image_token_id']} != the checkpoint's image_token_id "
-                         f"{hf.config.image_token_id} (text.image_token should be the checkpoint's, see configure)")
-    rows = hf.get_input_embeddings().num_embeddings
-    if int(ids["vocab_size"]) > rows:  # e.g. text.chat_template='plain' adds its special tokens
-        raise ValueError(f"tokenizer has {ids['vocab_size']} tokens but the model embeds {rows}: use the "
-                         "checkpoint's own chat template (text.chat_template='auto'), which adds none")
+    # a larger tokenizer comes e.g. from text.chat_template='plain', which adds its special tokens
+    check_token_ids(hf, ids, "use the checkpoint's tokenizer and its own chat template (text.chat_template="
+                             "'auto'), which adds no token; see configure")
     freeze_unused_vision(hf)
     if cfg.model.gradient_checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(hf)
     return HFModel(hf, make_adapter(hf, cfg.image), vision_modules)
 
 

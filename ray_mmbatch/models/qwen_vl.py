@@ -204,21 +204,11 @@ def _vision_modules(hf_model) -> list:
 
 def create_model(cfg, ids: dict):
     """The checkpoint's *ForConditionalGeneration wrapped in HFModel with the Qwen adapter."""
-    import transformers
+    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
 
-    from ray_mmbatch.models.hf_common import HFModel, enable_activation_checkpointing, load_hf_model
-
-    if int(transformers.__version__.split(".")[0]) < 5:
-        raise RuntimeError(f"the qwen_vl backend needs transformers >= 5 (mm_token_type_ids, [4, 1, T] packed "
-                           f"position ids); found {transformers.__version__}")
     hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, "cuda" if cfg.train.use_gpu else "cpu")
     config = hf.config
-    if int(ids["image_token_id"]) != int(config.image_token_id):
-        raise ValueError(f"tokenizer image token id {ids['image_token_id']} != the model's image_token_id "
-                         f"{config.image_token_id}; run configure(cfg) with the checkpoint's tokenizer")
-    vocab = config.get_text_config().vocab_size
-    if int(ids["vocab_size"]) > vocab:
-        raise ValueError(f"tokenizer has {ids['vocab_size']} tokens but the model embeds {vocab}")
+    check_token_ids(hf, ids, "run configure(cfg) with the checkpoint's tokenizer")
     vision = config.vision_config
     for key, want in (("patch_size", vision.patch_size), ("merge_size", vision.spatial_merge_size),
                       ("temporal_patch_size", vision.temporal_patch_size)):
