@@ -39,11 +39,12 @@ def raw_rows(path, data_cfg: DataConfig | None = None) -> list[dict]:
     return rows
 
 
-def trained_and_skipped(path, **data) -> tuple[list[str], dict[str, str]]:
+def trained_and_skipped(path, oversize: str = "truncate", **data) -> tuple[list[str], dict[str, str]]:
     """(sample ids trained, {id: reason} skipped) over one epoch of local_batches."""
     cfg = Config()
     cfg.data = DataConfig(path=str(path), **data)
     cfg.budget.max_tokens = 1024
+    cfg.budget.oversize = oversize
     trained, skipped = [], {}
     for item in local_batches(cfg, with_skips=True):
         if "skipped" in item:

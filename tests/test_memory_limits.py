@@ -18,26 +18,15 @@ import pytest
 from PIL import Image
 
 from ray_mmbatch import schema as S
+from tests.test_bad_data import CONV, png  # the same good sample as the bad-data tests
 
-IMG = S.IMAGE_PLACEHOLDER
-CONV = [{"from": "human", "value": f"{IMG}\nWhat colour is it?"}, {"from": "gpt", "value": "It is red."}]
 GOOD = 6
 SLACK_MB = 200  # the hostile runs' peaks were 1-9 GB above a clean run before the limits
 
 _CHILD = r"""
 import json, resource, sys
-from ray_mmbatch.config import Config, DataConfig
-from ray_mmbatch.local import local_batches
-cfg = Config()
-cfg.data = DataConfig(path=sys.argv[1])
-cfg.budget.max_tokens = 1024
-cfg.budget.oversize = sys.argv[2]
-trained, skipped = [], {}
-for item in local_batches(cfg, with_skips=True):
-    if "skipped" in item:
-        skipped.update({sid: reason for sid, reason in item["skipped"]})
-    else:
-        trained += list(item["sample_ids"])
+from tests.test_bad_data import trained_and_skipped
+trained, skipped = trained_and_skipped(sys.argv[1], oversize=sys.argv[2])
 print(json.dumps({"trained": trained, "skipped": skipped,
                   "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
@@ -49,12 +38,6 @@ def run_child(path: Path, oversize: str = "truncate") -> dict:
                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1])))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def png(side: int = 40) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (side, side), (200, 30, 30)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
