@@ -119,6 +119,7 @@ class Runner:
         self.files = RunFiles(cfg.train.output_dir, rank, cfg.train.ledger)
         self.files.trim(self.step)
         self.last_batch: dict[str, Any] | None = None
+        self.aborted = ""  # why the skip guard stopped the run ("" = it did not)
         self.window: dict[str, float] = {}
 
     # -- data ----------------------------------------------------------------
@@ -164,7 +165,7 @@ class Runner:
         zero-target steps) before any rank opens epoch e+1, whose split waits for all."""
         tcfg = self.cfg.train
         last_report = time.perf_counter()
-        self.aborted, guard = "", [0, 0]  # samples seen / skipped in this run, for the skip guard
+        guard = [0, 0]  # samples seen / skipped in this run, for the skip guard
         for epoch, shard in enumerate(self.shards):
             rows = self._rows(shard)
             while not self._at_max_steps() and not self.aborted:
@@ -276,7 +277,7 @@ class Runner:
             "peak_mem_mb": all_reduce([_peak_mem_mb(self.device)], self.device, op="max")[0],
             "initial_loss": self.initial_loss, "final": final,
             "progress": self.samples_seen / self.planned_samples if self.planned_samples else None,
-            "aborted": getattr(self, "aborted", ""),
+            "aborted": self.aborted,
             **{f"total_{k}": v for k, v in t.items()},
         }
         if g["steps"]:
