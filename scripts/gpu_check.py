@@ -57,13 +57,13 @@ def _batches(d: Path, mode: str) -> list[dict]:
 
 
 def _model(ck: Path, device: str, attn: str = "auto"):
-    from ray_mmbatch.hf import config_from_checkpoint
-    from ray_mmbatch.models import get_backend, token_ids
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.hf import load_model
 
-    cfg = config_from_checkpoint(str(ck))
+    cfg = Config()
     cfg.model.attn_implementation = attn
     cfg.train.use_gpu = device.startswith("cuda")
-    return cfg, get_backend(cfg).create_model(cfg, token_ids(cfg)).to(device)
+    return cfg, load_model(str(ck), cfg).to(device)  # load_model fills cfg from the checkpoint
 
 
 def _nccl_worker(rank: int, world: int, d: str, port: int, results) -> None:
