@@ -130,7 +130,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from ray_mmbatch.models import configure
+    from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
     from ray_mmbatch.train.loop import train_loop_per_worker
 
@@ -138,7 +138,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg.train.output_dir = str(out)
-    ids = tokenizer_ids(cfg)
+    ids = token_ids(cfg)  # cfg is configured above: tokenizer_ids would configure it again
     set_deterministic(cfg.train.deterministic)
 
     name = run_name or cfg.train.run_name or out.name
