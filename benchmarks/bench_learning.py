@@ -50,7 +50,7 @@ from common import read_measured  # noqa: E402  (benchmarks/ is on sys.path when
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching import Budget, collate_pack, plan_batches_arrays
 from ray_mmbatch.config import BudgetConfig, Config
-from ray_mmbatch.data.measure import materialize_sample
+from ray_mmbatch.data.materialize import materialize_sample
 from ray_mmbatch.data.text import load_tokenizer, special_ids
 from ray_mmbatch.models.builtin import build_model, count_parameters
 from ray_mmbatch.synthetic.draw import COLOURS, SHAPES

@@ -56,7 +56,7 @@ def _actor_ceiling(measured: dict, cfg: Config, window: int, repeat: int) -> dic
     import pyarrow as pa
 
     from ray_mmbatch.payloads import LocalPayloads
-    from ray_mmbatch.pipeline import CarryPlanStage, light_rows, plan_rows
+    from ray_mmbatch.stages import CarryPlanStage, light_rows, plan_rows
 
     n = len(measured[S.SAMPLE_ID])
     nbytes = sum(len(b) for imgs in measured[S.IMAGES] for b in imgs) + \

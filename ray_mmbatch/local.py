@@ -2,7 +2,7 @@
 
 Yields the collated batches a Train worker receives (numpy dicts, batching/collate.py
 layout) for ``cfg.data`` under ``cfg.budget``, through the very stage objects the Ray
-graph runs (pipeline.py): read units -> MeasureStage -> plan (CarryPlanStage with the
+graph runs (stages.py): read units -> MeasureStage -> plan (CarryPlanStage with the
 end-of-stream row, or plan_rows per window with carry 0) -> MaterializeStage -> decode.
 With deterministic settings the batches equal the pipeline's, in order. For notebooks,
 debugging, verify_packing and tests; it decodes every image on one core, so it is slow
@@ -22,12 +22,11 @@ from ray_mmbatch.config import Config
 
 
 def _raw_rows(cfg: Config, end_marker: bool) -> Iterator[dict[str, Any]]:
+    from ray_mmbatch.end_of_stream import with_end_unit
     from ray_mmbatch.readers import read_units, read_with_position
 
     units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
-    units = [dict(u, end=False, **{S.UNIT: i}) for i, u in enumerate(units)]
-    if end_marker:
-        units.append({**units[-1], "end": True} if units else {"end": True, S.UNIT: -1})
+    units = with_end_unit([dict(u, **{S.UNIT: i}) for i, u in enumerate(units)], end_marker)
     for unit in units:
         yield from read_with_position(pa.Table.from_pylist([unit]), read_fn, kwargs).to_pylist()
 
@@ -49,7 +48,7 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 
 def _measured_rows(cfg: Config, end_marker: bool, payloads) -> Iterator[dict[str, Any]]:
-    from ray_mmbatch.pipeline import MeasureStage
+    from ray_mmbatch.stages import MeasureStage
 
     stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads)
     for batch in _chunks(_raw_rows(cfg, end_marker), max(1, cfg.data.measure_batch)):
@@ -68,7 +67,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.payloads import LocalPayloads
-    from ray_mmbatch.pipeline import CarryPlanStage, MaterializeStage, plan_rows, uses_carry
+    from ray_mmbatch.stages import CarryPlanStage, MaterializeStage, plan_rows, uses_carry
 
     cfg = configure(copy.deepcopy(cfg))
     if not cfg.data.path:

@@ -4,10 +4,9 @@ The Ray shell over formats/ (one module per format behind a registry; paths or U
 any pyarrow filesystem): ``read_units`` lists the read units (row groups, tar shards,
 LLaVA JSON chunks) in sorted order, ``read_raw`` hands them to ray.data.from_items and
 reads each with one map_batches call, so the unit order is ours: ``shuffle_seed``
-permutes the units (epochs after the first), and ``end_marker`` appends one unit that
-yields the schema.END_OF_STREAM_ID row after everything else (the carry planner's
-end-of-stream signal; with DataContext.execution_options.preserve_order it is the last
-row out). With preserve_order the row order is the same every run. Read functions
+permutes the units (epochs after the first), and ``end_marker`` appends the end-of-stream unit
+(end_of_stream.py; with DataContext.execution_options.preserve_order its row is the last
+out). With preserve_order the row order is the same every run. Read functions
 return Arrow tables with a fixed schema, so a block of text-only rows still has
 list<binary> images. Ray workers build their filesystem clients from the same
 environment (AWS_* etc.) the driver's cluster was started with.
@@ -21,6 +20,7 @@ import ray
 
 from ray_mmbatch import formats, schema
 from ray_mmbatch.config import DataConfig
+from ray_mmbatch.end_of_stream import END_UNIT, marker_table, with_end_unit
 from ray_mmbatch.formats import llava
 from ray_mmbatch.formats.records import rows_to_table
 
@@ -35,22 +35,12 @@ def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[str]]:
     return fmt, files
 
 
-def end_marker_row() -> dict:
-    """The RAW end-of-stream row (see schema.END_OF_STREAM)."""
-    return {schema.SAMPLE_ID: schema.END_OF_STREAM_ID, schema.CONVERSATIONS: "[]", schema.IMAGES: [],
-            schema.IMAGE_REFS: [], schema.READ_ERROR: schema.END_OF_STREAM}
-
-
-def is_end_marker(sample_id, reason) -> bool:
-    return str(sample_id) == schema.END_OF_STREAM_ID and str(reason) == schema.END_OF_STREAM
-
-
 def read_unit_table(units: pa.Table, fmt: str, data_cfg: DataConfig) -> pa.Table:
     """A table of read units (with the "end" flag) -> RAW table: what each read task runs."""
     tables = []
-    for i, end in enumerate(units.column("end").to_pylist()):
-        tables.append(rows_to_table([end_marker_row()]) if end else
-                      formats.read_units_table(units.slice(i, 1).drop_columns(["end"]), fmt, data_cfg))
+    for i, end in enumerate(units.column(END_UNIT).to_pylist()):
+        tables.append(marker_table() if end else
+                      formats.read_units_table(units.slice(i, 1).drop_columns([END_UNIT]), fmt, data_cfg))
     return pa.concat_tables(tables) if tables else rows_to_table([])
 
 
@@ -59,9 +49,7 @@ def _units_dataset(units: list[dict], blocks: int | None, shuffle_seed: int | No
     """Read units -> a from_items Dataset: optionally permuted, optionally + the end-marker unit."""
     if shuffle_seed is not None:
         units = random.Random(shuffle_seed).sample(units, len(units))
-    units = [dict(u, end=False) for u in units]
-    if end_marker:
-        units.append(dict(units[-1], end=True) if units else {"end": True})
+    units = with_end_unit(units, end_marker)
     return ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
 
 
@@ -85,7 +73,7 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -
     tables = []
     for i in range(units.num_rows):
         unit = units.slice(i, 1)
-        uid = -1 if unit.column("end")[0].as_py() else int(unit.column(schema.UNIT)[0].as_py())
+        uid = -1 if unit.column(END_UNIT)[0].as_py() else int(unit.column(schema.UNIT)[0].as_py())
         if done is not None and done.unit_finished(uid):
             continue
         t = read_fn(unit, **read_kwargs)

@@ -227,7 +227,7 @@ def test_llava_ids_and_paths_that_are_not_valid_text(tmp_path):
 
 @pytest.mark.ray
 def test_inspect_counts_skipped_files_as_training_does(ray_cluster, tmp_path):
-    from ray_mmbatch.pipeline import inspect_dataset
+    from ray_mmbatch.inspection import inspect_dataset
 
     bad = _parquet_with_bad_files(tmp_path)
     cfg = Config()

@@ -128,7 +128,7 @@ def test_preflight_and_image_root_in_the_bucket(s3):
 @pytest.mark.ray
 def test_inspect_from_s3_equals_local(ray_cluster, s3):
     from ray_mmbatch.config import Config
-    from ray_mmbatch.pipeline import inspect_dataset
+    from ray_mmbatch.inspection import inspect_dataset
 
     local, remote = s3
     summaries = []

@@ -10,15 +10,11 @@ from PIL import Image
 from skimage import data as skdata
 
 from ray_mmbatch import schema as S
+from ray_mmbatch.batching.budget import max_tokens_alone
 from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.image import ImageSkip
-from ray_mmbatch.data.measure import (
-    fit_batch_to_budget,
-    fit_to_budget,
-    materialize_sample,
-    max_tokens_alone,
-    measure_batch,
-)
+from ray_mmbatch.data.materialize import materialize_sample
+from ray_mmbatch.data.measure import fit_batch_to_budget, fit_to_budget, measure_batch
 from ray_mmbatch.data.text import load_tokenizer, special_ids
 
 CFG = ImageConfig()

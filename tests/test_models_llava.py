@@ -243,7 +243,8 @@ def test_through_the_data_path(model, processor, cfg, tok, padded_variant, kind)
 
     from ray_mmbatch.data import image as image_mod
     from ray_mmbatch.data import text as text_mod
-    from ray_mmbatch.data.measure import materialize_sample, measure_batch
+    from ray_mmbatch.data.materialize import materialize_sample
+    from ray_mmbatch.data.measure import measure_batch
 
     if "fixed_pad" not in getattr(image_mod, "RESIZE_MODES", ()) or not hasattr(text_mod, "image_token_id"):
         pytest.skip("the data path has no fixed resize / configurable image token yet (data/image.py, data/text.py)")

@@ -24,7 +24,8 @@ from skimage import data as skdata
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching.collate import collate_pack, collate_pad
 from ray_mmbatch.config import Config
-from ray_mmbatch.data.measure import materialize_sample, measure_batch
+from ray_mmbatch.data.materialize import materialize_sample
+from ray_mmbatch.data.measure import measure_batch
 from ray_mmbatch.data.text import SHIPPED_TOKENIZER, load_tokenizer
 from ray_mmbatch.models import qwen_vl
 from ray_mmbatch.models.hf_common import normalize_patches

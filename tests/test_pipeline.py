@@ -175,7 +175,7 @@ def test_restarted_carry_actor_fails_loudly(ray_cluster):
     """A plan actor that Ray restarted has lost its carry: it must raise, not go on short."""
     import ray
 
-    from ray_mmbatch.pipeline import CarryPlanStage
+    from ray_mmbatch.stages import CarryPlanStage
 
     @ray.remote(max_restarts=1, max_task_retries=0)
     class Host:

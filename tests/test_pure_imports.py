@@ -8,7 +8,7 @@ import sys
 
 # package or module under ray_mmbatch -> may it import torch?
 PURE = {"data": False, "batching": False, "formats": False, "config": False, "schema": False, "guards": False,
-        "runlog": False, "synthetic": False, "models": True, "train.step": True, "verify": True}
+        "runlog": False, "synthetic": False, "end_of_stream": False, "models": True, "train.step": True, "verify": True}
 
 CHECK = """
 import importlib, pkgutil, sys

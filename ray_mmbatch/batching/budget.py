@@ -196,3 +196,17 @@ class Budget:
         """A copy with the same limits and an empty running state."""
         return Budget(self.max_tokens, self.mode, self.max_patches, self.max_images,
                       self.max_samples, self.attn_weight)
+
+
+def max_tokens_alone(budget: Any) -> int:
+    """Largest sequence length T with T + attn_weight * T**2 <= max_tokens (a Budget or BudgetConfig):
+    the longest sample that fits a batch alone (measure-time fitting truncates to it)."""
+    m, w = int(budget.max_tokens), float(budget.attn_weight or 0.0)
+    if w <= 0:
+        return m
+    t = int((-1 + math.sqrt(1 + 4 * w * m)) / (2 * w))
+    while t + w * t * t > m:  # float rounding at the boundary
+        t -= 1
+    while (t + 1) + w * (t + 1) ** 2 <= m:
+        t += 1
+    return max(t, 0)

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except PreflightError as e:
         print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
         return 2
-    from ray_mmbatch.pipeline import inspect_dataset
+    from ray_mmbatch.inspection import inspect_dataset
     from ray_mmbatch.train.trainer import connect
 
     connect()

@@ -1,4 +1,4 @@
-"""Measure a sample's cost without decoding pixels; apply the oversize policy; materialize it.
+"""Measure a sample's cost without decoding pixels; apply the oversize policy (materialize: materialize.py).
 
 measure (per batch of RAW rows, cheap)::
 
@@ -11,44 +11,28 @@ measure (per batch of RAW rows, cheap)::
 Every input row comes out (same order, same count); a row that cannot be used keeps
 zero costs, empty lists and ``skip_reason = "reason: detail"``.
 
-materialize (per trained sample, the expensive step): decode + resize + patchify each
-image at its measured grid, expand each image_pad to that image's token count
-(np.repeat), and shift labels for next-token prediction so that the last token of a
-sample never has a label (packed samples never predict across a boundary)::
-
-    input_ids  A  B  <vs> <img> <img> <img> <ve>  C  D
-    target     0  0   0    0     0     0     0    1  1
-    labels     .  .   .    .     .     .     C    D  .      (. = IGNORE_INDEX)
-
 Cost (one core, default ImageConfig): measure ~110 us/sample (~9,000 samples/s) for a
 one-JPEG short Q/A, ~330 us/sample over the generated mixture (generate.py; long
-conversations dominate). materialize is dominated by image decoding, which grows with the
-source image's size; per-image decode costs are in benchmarks/RESULTS.md ("bench_decode").
+conversations dominate).
 Pure module: no ray, no torch.
 """
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 import numpy as np
 
 from ray_mmbatch import schema as S
+from ray_mmbatch.batching.budget import max_tokens_alone
 from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
-from ray_mmbatch.data.image import ImageSkip, decode_image, image_grid, patchify, probe_image
+from ray_mmbatch.data.image import ImageSkip, image_grid, probe_image
+from ray_mmbatch.data.materialize import _items
 from ray_mmbatch.data.text import TextSkip, encode_conversations, image_token_id
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_TARGET = np.zeros(0, dtype=np.uint8)
 _EMPTY_GRIDS = np.zeros((0, 3), dtype=np.int32)
-
-
-def _items(value: Any) -> list:
-    """A list cell from Ray (ndarray of objects, list, None) -> list."""
-    if value is None:
-        return []
-    return list(value)
 
 
 def _text(value: Any) -> str:
@@ -125,19 +109,6 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
 
 
 # ------------------------------------------------------------------ oversize policy
-def max_tokens_alone(budget: BudgetConfig) -> int:
-    """Largest sequence length T with T + attn_weight * T**2 <= max_tokens."""
-    m, w = int(budget.max_tokens), float(budget.attn_weight or 0.0)
-    if w <= 0:
-        return m
-    t = int((-1 + math.sqrt(1 + 4 * w * m)) / (2 * w))
-    while t + w * t * t > m:  # float rounding at the boundary
-        t -= 1
-    while (t + 1) + w * (t + 1) ** 2 <= m:
-        t += 1
-    return max(t, 0)
-
-
 def _skipped(row: dict, reason: str) -> dict:
     out = dict(row)
     out.update({S.SKIP_REASON: reason, S.TEXT_IDS: _EMPTY_IDS, S.TEXT_TARGET: _EMPTY_TARGET, S.GRIDS: _EMPTY_GRIDS,
@@ -198,33 +169,3 @@ def fit_batch_to_budget(batch: dict[str, Any], budget: BudgetConfig) -> dict[str
         for c in changed:
             out[c][i] = fitted[c]
     return out
-
-
-# ------------------------------------------------------------------ materialize
-def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | None = None) -> dict[str, Any]:
-    """One measured, usable row -> model-ready arrays (see module docstring). Raises ImageSkip on bad pixels."""
-    ids = np.asarray(row[S.TEXT_IDS], dtype=np.int32)
-    target = np.asarray(row[S.TEXT_TARGET], dtype=np.uint8)
-    grids = np.array([np.asarray(g, dtype=np.int32) for g in _items(row[S.GRIDS])], dtype=np.int32).reshape(-1, 3)
-    pad_id = int(row[S.IMAGE_TOKEN_ID] if image_pad_id is None else image_pad_id)
-    pad_at = np.flatnonzero(ids == pad_id)
-    if len(pad_at) != len(grids):
-        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(pad_at)} image_pad tokens for {len(grids)} grids")
-    repeats = np.ones(len(ids), dtype=np.int64)
-    repeats[pad_at] = grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
-    input_ids = np.repeat(ids, repeats)
-    expanded_target = np.repeat(target, repeats)
-    if len(input_ids) != int(row[S.TOKENS]):
-        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(input_ids)} tokens, measured {int(row[S.TOKENS])}")
-    labels = np.full(len(input_ids), S.IGNORE_INDEX, dtype=np.int32)
-    labels[:-1] = np.where(expanded_target[1:] == 1, input_ids[1:], S.IGNORE_INDEX)
-    ps = image_cfg.patch_size
-    images = _items(row[S.IMAGES])
-    if len(images) != len(grids):
-        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(images)} images for {len(grids)} grids")
-    patches = [patchify(decode_image(data, g, image_cfg), image_cfg) for data, g in zip(images, grids)]
-    patches = np.concatenate(patches) if patches else np.zeros((0, 3 * ps * ps), dtype=np.uint8)
-    if patches.shape[0] != int(row[S.PATCHES]):
-        raise ValueError(f"{row[S.SAMPLE_ID]}: {patches.shape[0]} patches, measured {int(row[S.PATCHES])}")
-    return {"sample_id": str(row[S.SAMPLE_ID]), "input_ids": input_ids, "labels": labels, "patches": patches,
-            "grids": grids}

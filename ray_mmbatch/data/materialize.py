@@ -1,0 +1,59 @@
+"""Materialize a measured sample: the expensive per-sample step, run for trained samples only.
+
+Decode + resize + patchify each
+image at its measured grid, expand each image_pad to that image's token count
+(np.repeat), and shift labels for next-token prediction so that the last token of a
+sample never has a label (packed samples never predict across a boundary)::
+
+    input_ids  A  B  <vs> <img> <img> <img> <ve>  C  D
+    target     0  0   0    0     0     0     0    1  1
+    labels     .  .   .    .     .     .     C    D  .      (. = IGNORE_INDEX)
+
+materialize is dominated by image decoding, which grows with the source image's size;
+per-image decode costs are in benchmarks/RESULTS.md ("bench_decode"). Pure module: no ray, no torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import ImageConfig
+from ray_mmbatch.data.image import decode_image, patchify
+
+
+def _items(value: Any) -> list:
+    """A list cell from Ray (ndarray of objects, list, None) -> list."""
+    if value is None:
+        return []
+    return list(value)
+
+
+def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | None = None) -> dict[str, Any]:
+    """One measured, usable row -> model-ready arrays (see module docstring). Raises ImageSkip on bad pixels."""
+    ids = np.asarray(row[S.TEXT_IDS], dtype=np.int32)
+    target = np.asarray(row[S.TEXT_TARGET], dtype=np.uint8)
+    grids = np.array([np.asarray(g, dtype=np.int32) for g in _items(row[S.GRIDS])], dtype=np.int32).reshape(-1, 3)
+    pad_id = int(row[S.IMAGE_TOKEN_ID] if image_pad_id is None else image_pad_id)
+    pad_at = np.flatnonzero(ids == pad_id)
+    if len(pad_at) != len(grids):
+        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(pad_at)} image_pad tokens for {len(grids)} grids")
+    repeats = np.ones(len(ids), dtype=np.int64)
+    repeats[pad_at] = grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
+    input_ids = np.repeat(ids, repeats)
+    expanded_target = np.repeat(target, repeats)
+    if len(input_ids) != int(row[S.TOKENS]):
+        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(input_ids)} tokens, measured {int(row[S.TOKENS])}")
+    labels = np.full(len(input_ids), S.IGNORE_INDEX, dtype=np.int32)
+    labels[:-1] = np.where(expanded_target[1:] == 1, input_ids[1:], S.IGNORE_INDEX)
+    ps = image_cfg.patch_size
+    images = _items(row[S.IMAGES])
+    if len(images) != len(grids):
+        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(images)} images for {len(grids)} grids")
+    patches = [patchify(decode_image(data, g, image_cfg), image_cfg) for data, g in zip(images, grids)]
+    patches = np.concatenate(patches) if patches else np.zeros((0, 3 * ps * ps), dtype=np.uint8)
+    if patches.shape[0] != int(row[S.PATCHES]):
+        raise ValueError(f"{row[S.SAMPLE_ID]}: {patches.shape[0]} patches, measured {int(row[S.PATCHES])}")
+    return {"sample_id": str(row[S.SAMPLE_ID]), "input_ids": input_ids, "labels": labels, "patches": patches,
+            "grids": grids}

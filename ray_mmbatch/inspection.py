@@ -1,0 +1,162 @@
+"""The data check (jobs/inspect_data.py): read -> measure -> materialize every sample, keep counts.
+
+One Ray Data actor stage (InspectStage) fused with the read; the driver gathers a JSON-able
+summary for choosing budgets (``inspect_dataset``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import ray
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import Config, ImageConfig, TextConfig
+from ray_mmbatch.pipeline import stage_args
+
+
+def _reason_key(reason: str) -> str:
+    return reason.split(":", 1)[0].strip()
+
+
+class InspectStage:
+    """The data check in ONE actor stage: measure + materialize each block of RAW rows, keep counts.
+
+    Fused on purpose (bench_ingest): a separate measure stage would ship every image's bytes
+    (as pickled objects, Arrow cannot hold ndarrays of bytes) to a second actor pool that loads
+    its own processes. Here each actor loads the tokenizer once, takes one read block
+    (one Parquet row group / WebDataset shard / LLaVA chunk), measures it in slices of
+    ``measure_batch`` rows (one tokenizer call each), materializes every usable sample
+    (decode + resize + patchify, expand image tokens: per sample, that is Pillow's work)
+    and returns only numbers and reasons.
+    """
+
+    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, measure_batch: int):
+        from ray_mmbatch.data.text import tokenizer_for
+
+        self.image_cfg, self.text_cfg, self.measure_batch = image_cfg, text_cfg, max(1, int(measure_batch))
+        self.tok = tokenizer_for(text_cfg)
+
+    def __call__(self, block) -> dict[str, np.ndarray]:
+        from ray_mmbatch.data.measure import measure_batch
+
+        n = block.num_rows
+        out: dict[str, list] = {k: [] for k in _INSPECT_COUNTS}
+        for start in range(0, n, self.measure_batch):
+            part = block.slice(start, self.measure_batch)
+            raw = {c: part.column(c).to_pylist() for c in part.column_names}
+            measured = measure_batch(raw, self.image_cfg, self.tok, self.text_cfg)
+            reasons, mismatch = self._materialize(measured)
+            out[S.SKIP_REASON] += reasons
+            out["length_mismatch"] += mismatch
+            for k in (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES):
+                out[k].append(np.asarray(measured[k], dtype=np.int64))
+        ints = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in out.items()
+                if k not in (S.SKIP_REASON, "length_mismatch")}
+        return {S.SAMPLE_ID: np.asarray(block.column(S.SAMPLE_ID).to_pylist(), dtype=object),
+                S.SKIP_REASON: np.asarray(out[S.SKIP_REASON], dtype=object),
+                "length_mismatch": np.asarray(out["length_mismatch"], dtype=bool),
+                "image_bytes": image_bytes_per_row(block.column(S.IMAGES)), **ints}
+
+    def _materialize(self, m: dict[str, Any]) -> tuple[list[str], list[bool]]:
+        """Materialize every usable row; (skip reason, materialized length != measured) per row."""
+        from ray_mmbatch.data.image import ImageSkip
+        from ray_mmbatch.data.materialize import materialize_sample
+
+        reasons, mismatch = [str(r) for r in m[S.SKIP_REASON]], [False] * len(m[S.SKIP_REASON])
+        for i, reason in enumerate(reasons):
+            if reason:
+                continue
+            try:
+                s = materialize_sample({k: v[i] for k, v in m.items()}, self.image_cfg)
+            except ImageSkip as e:
+                reasons[i] = f"{e.reason}: {e}"
+                continue
+            mismatch[i] = len(s["input_ids"]) != int(m[S.TOKENS][i]) or len(s["patches"]) != int(m[S.PATCHES][i])
+        return reasons, mismatch
+
+
+_INSPECT_COUNTS = (S.SKIP_REASON, "length_mismatch", S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES,
+                   S.N_IMAGES)
+
+
+def image_bytes_per_row(images) -> np.ndarray:
+    """Encoded image bytes per row of a list<binary> Arrow column (null = 0), without a Python loop."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(images, pa.ChunkedArray):
+        images = images.combine_chunks()
+    n = len(images)
+    flat = pc.list_flatten(images)
+    if len(flat) == 0:
+        return np.zeros(n, dtype=np.int64)
+    lengths = pc.fill_null(pc.binary_length(flat), 0).to_numpy(zero_copy_only=False)
+    rows = pc.list_parent_indices(images).to_numpy(zero_copy_only=False)
+    return np.bincount(rows, weights=lengths, minlength=n).astype(np.int64)
+
+
+def inspect_workers(cfg: Config) -> int:
+    """Actors for the data check: data.preprocess_workers, at most the cluster's CPUs (one process per core)."""
+    workers = max(1, cfg.data.preprocess_workers)
+    if ray.is_initialized():  # else Ray Data starts a local cluster of this machine's cores
+        return max(1, min(workers, int(ray.cluster_resources().get("CPU", 1))))
+    return workers
+
+
+def _percentiles(x: np.ndarray) -> dict[str, float]:
+    if len(x) == 0:
+        return {}
+    q = np.percentile(x, [0, 10, 50, 90, 99, 100])
+    return {"min": float(q[0]), "p10": float(q[1]), "p50": float(q[2]), "p90": float(q[3]),
+            "p99": float(q[4]), "max": float(q[5]), "mean": float(x.mean()), "sum": float(x.sum())}
+
+
+def inspect_dataset(cfg: Config) -> dict[str, Any]:
+    """read -> measure -> materialize every sample; a JSON-able summary for choosing budgets."""
+    import time
+
+    from ray_mmbatch.readers import read_raw
+
+    t0 = time.perf_counter()
+    workers = inspect_workers(cfg)
+    # batch_size=None: one call per read block. Ray fuses the read into this actor stage and,
+    # given a row count, would bundle read units (row groups) until it has that many ROWS OF
+    # UNITS - for Parquet that packed every row group into one task on one actor.
+    ds = read_raw(cfg.data.path, cfg.data).map_batches(
+        InspectStage, batch_size=None, batch_format="pyarrow",
+        fn_constructor_args=(cfg.image, cfg.text, cfg.data.measure_batch),
+        compute=ray.data.ActorPoolStrategy(min_size=workers, max_size=workers), **stage_args(cfg))
+    cols: dict[str, list] = {}
+    for b in ds.iter_batches(batch_size=4096, batch_format="numpy"):
+        for k, v in b.items():
+            cols.setdefault(k, []).extend(v.tolist())
+    wall = time.perf_counter() - t0
+    reasons = np.array(cols.get(S.SKIP_REASON, []), dtype=object)
+    ok = np.array([not r for r in reasons], dtype=bool)
+    skipped: dict[str, int] = {}
+    examples: dict[str, list[str]] = {}
+    files: dict[str, str] = {}  # read units that could not be read: one row each, id = the file (formats/)
+    for sid, r in zip(cols.get(S.SAMPLE_ID, []), reasons):
+        if r:
+            key = _reason_key(r)
+            skipped[key] = skipped.get(key, 0) + 1
+            if key == S.SKIP_UNREADABLE_FILE:
+                files[str(sid)] = str(r)
+            if len(examples.setdefault(key, [])) < 5:
+                examples[key].append(sid)
+    arr = {k: np.asarray(cols.get(k, []), dtype=np.int64)[ok] for k in
+           (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES)}
+    nbytes = float(np.sum(cols.get("image_bytes", [0])))
+    n = len(reasons) - len(files)
+    return {
+        "samples_read": n, "samples_ok": int(ok.sum()), "samples_skipped": int(n - ok.sum()),
+        "skipped": skipped, "skipped_examples": examples,
+        "skipped_files": len(files), "skipped_file_reasons": dict(list(files.items())[:20]),
+        "length_mismatch": int(np.sum(cols.get("length_mismatch", [0]))),
+        "tokens": _percentiles(arr[S.TOKENS]), "text_tokens": _percentiles(arr[S.TEXT_TOKENS]),
+        "image_tokens": _percentiles(arr[S.IMAGE_TOKENS]), "patches": _percentiles(arr[S.PATCHES]),
+        "images_per_sample": {str(k): int(v) for k, v in zip(*np.unique(arr[S.N_IMAGES], return_counts=True))},
+        "wall_s": wall, "samples_per_s": n / wall if wall else 0.0,
+        "image_mb_per_s": nbytes / 2**20 / wall if wall else 0.0,
+    }

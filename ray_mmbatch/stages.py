@@ -1,0 +1,260 @@
+"""The stages of the data path as plain callables over the pure core (no Ray graph here).
+
+pipeline.py wires them into Ray Data; local.py runs the same objects in one process::
+
+    MeasureStage        RAW rows -> token ids, grids, costs, skip_reason; oversize policy applied.
+                        With a payload store (payloads.py) each usable measured row (image bytes
+                        included) waits there and a LIGHT row goes on: id, costs, read position
+    CarryPlanStage      windows of LIGHT rows -> PLAN rows (ids, payload keys), under-filled
+                        batches held back into the next window (batching/carry.py); the window
+                        holding the end-of-stream row (end_of_stream.py) flushes what is held
+    plan_rows           the same for carry 0: each window planned on its own, stateless
+    MaterializeStage    PLAN row -> BATCH row: fetch the payloads, decode + resize + patchify,
+                        collate, encode; then release the payloads
+
+Skipped samples travel with the data: the skip list of a window rides on the first
+batch of that window (a window with no usable sample emits one empty batch just to
+carry it), and samples that fail to decode ride on their own batch. The train loop
+records them, so every sample read is either trained once or reported once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+import ray
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
+
+PAYLOAD_KEYS = "payload_keys"  # PLAN row: list<str>, where each sample's measured row waits (payloads.py)
+LIGHT_COLUMNS = (S.SAMPLE_ID, S.SKIP_REASON, S.TOKENS, S.PATCHES, S.N_IMAGES) + S.READ_POSITION_COLUMNS
+
+
+def uses_carry(budget_cfg: BudgetConfig) -> bool:
+    from ray_mmbatch.batching.carry import resolve_carry
+
+    return resolve_carry(budget_cfg.mode, budget_cfg.carry) > 0
+
+
+def window_seed(seed: int, epoch: int, window_key: str) -> int:
+    """Plan seed of one window: a function of (seed, epoch, window), never of scheduling."""
+    h = hashlib.blake2b(f"{seed}/{epoch}/{window_key}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & 0x7FFFFFFF
+
+
+class MeasureStage:
+    """Callable class: loads the tokenizer once per actor, then measures batches of RAW rows.
+
+    With ``payloads`` (payloads.py) each usable measured row is left there and the stage
+    returns LIGHT rows (LIGHT_COLUMNS); without, full MEASURED rows.
+    """
+
+    def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig,
+                 payloads=None):
+        from ray_mmbatch.data.text import tokenizer_for
+
+        self.image_cfg, self.text_cfg, self.budget_cfg = image_cfg, text_cfg, budget_cfg
+        self.payloads = payloads
+        self.tok = tokenizer_for(text_cfg)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
+
+        measured = measure_batch(batch, self.image_cfg, self.tok, self.text_cfg)
+        measured.update({c: batch[c] for c in S.READ_POSITION_COLUMNS if c in batch})
+        measured = fit_batch_to_budget(measured, self.budget_cfg)
+        return measured if self.payloads is None else light_rows(measured, self.payloads)
+
+
+def payload_key(row: dict) -> str:
+    """A sample's payload key: its read position (the same on a retry), else its id."""
+    if S.UNIT in row and int(row[S.UNIT]) >= 0:
+        return f"{int(row[S.UNIT])}:{int(row[S.UNIT_ROW])}"
+    return f"id:{row[S.SAMPLE_ID]}"
+
+
+def light_rows(measured: dict[str, Any], payloads) -> dict[str, np.ndarray]:
+    """Leave each usable measured row in ``payloads``; return the LIGHT columns (Arrow-friendly)."""
+    reasons = np.array([str(r) for r in measured[S.SKIP_REASON]], dtype=object)
+    ok = np.flatnonzero(reasons == "").tolist()
+    if ok:
+        rows = [_plain({k: v[i] for k, v in measured.items()}) for i in ok]
+        payloads.put([payload_key(r) for r in rows], rows)
+    out = {S.SAMPLE_ID: np.array([str(x) for x in measured[S.SAMPLE_ID]], dtype=object), S.SKIP_REASON: reasons}
+    for c in LIGHT_COLUMNS[2:]:
+        if c in measured:
+            out[c] = np.asarray(measured[c], dtype=np.int64)
+    return out
+
+
+def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
+    n = len(batch[S.SAMPLE_ID])
+    return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+
+
+def _position(row: dict) -> tuple[int, int]:
+    """(read position, rows of its unit) of a measured row; (-1, 0) for a row without one."""
+    from ray_mmbatch.data.position import encode_positions
+
+    if S.UNIT not in row:
+        return -1, 0
+    return int(encode_positions([row[S.UNIT]], [row[S.UNIT_ROW]])[0]), int(row[S.UNIT_ROWS])
+
+
+def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[list], str, bool]:
+    """(usable rows, [id, reason, position, unit rows] of skipped rows, window key, end-of-stream
+    seen) of one window."""
+    from ray_mmbatch.end_of_stream import split_marker
+
+    rows, end = split_marker(_rows(batch))
+    window_key = str(rows[0][S.SAMPLE_ID]) if rows else ("end" if end else "empty")
+    ok = [_plain(r) for r in rows if not r[S.SKIP_REASON]]
+    skipped = [[str(r[S.SAMPLE_ID]), str(r[S.SKIP_REASON]), *_position(r)] for r in rows if r[S.SKIP_REASON]]
+    return ok, skipped, window_key, end
+
+
+def _costs(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(np.array([int(r[k]) for r in rows], dtype=np.int64) for k in (S.TOKENS, S.PATCHES, S.N_IMAGES))
+
+
+def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key: str) -> dict[str, list]:
+    """PLAN rows: one per group of measured rows; the window's skip list rides on the first one
+    (a window that emits no batch but skipped samples emits one empty batch to carry them)."""
+    if not groups and skipped:
+        groups = [[]]
+    out: dict[str, list] = {S.BATCH_ID: [], S.BATCH_SAMPLE_IDS: [], PAYLOAD_KEYS: [], S.BATCH_SKIPPED: []}
+    for j, members in enumerate(groups):
+        out[S.BATCH_ID].append(f"e{epoch}/{window_key}/{j}")
+        out[S.BATCH_SAMPLE_IDS].append([str(r[S.SAMPLE_ID]) for r in members])
+        out[PAYLOAD_KEYS].append([payload_key(r) for r in members])
+        out[S.BATCH_SKIPPED].append(json.dumps(skipped if j == 0 else []))
+    return out
+
+
+def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch: int) -> dict[str, list]:
+    """Plan one window of MEASURED rows on its own into PLAN rows (carry = 0; stateless task)."""
+    from ray_mmbatch.batching import Budget, plan_batches_arrays
+
+    ok, skipped, window_key, _ = _split_window(batch)
+    groups: list[list[dict]] = []
+    if ok:
+        plan = plan_batches_arrays(*_costs(ok), Budget.from_config(budget_cfg),
+                                   seed=window_seed(seed, epoch, window_key), algorithm=budget_cfg.algorithm)
+        groups = [[ok[i] for i in g] for g in plan]
+    return _plan_output(groups, skipped, epoch, window_key)
+
+
+class CarryPlanStage:
+    """The plan stage with carry: ONE actor holds back under-filled batches into the next window.
+
+    Runs as an actor pool of exactly one actor (one carry, windows in stream order). The
+    readers append an end-of-stream row (schema.END_OF_STREAM_ID) after the last sample;
+    the window holding it flushes the carry. If that row ever arrives early (no
+    preserve_order), CarryPlanner holds nothing after the flush, so later windows are
+    planned on their own: order affects fill, never correctness.
+
+    An actor restarted by Ray (node or process failure) has lost what it held: it raises on
+    its first call instead of finishing an epoch without those samples. Training then fails
+    over and rebuilds the stream without the samples already trained (train/trainer.py),
+    so the held-back samples are planned again.
+    """
+
+    def __init__(self, budget_cfg: BudgetConfig, seed: int, epoch: int):
+        from ray_mmbatch.batching import Budget
+        from ray_mmbatch.batching.carry import CarryPlanner
+
+        self.seed, self.epoch = seed, epoch
+        self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
+        ctx = ray.get_runtime_context() if ray.is_initialized() else None
+        self.restarted = bool(ctx is not None and ctx.get_actor_id() and ctx.was_current_actor_reconstructed)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, list]:
+        if self.restarted:
+            raise RuntimeError(
+                "the carry plan actor was restarted, so the samples it held back for the next window are "
+                "gone from this epoch's stream; failing the stream rather than dropping them (a training run "
+                "restores from its checkpoint and re-plans every sample not yet trained)")
+        ok, skipped, window_key, end = _split_window(batch)
+        groups = self.planner.feed(ok, *_costs(ok), seed=window_seed(self.seed, self.epoch, window_key))
+        if end:
+            groups += self.planner.flush(seed=window_seed(self.seed, self.epoch, window_key + "/end"))
+        return _plan_output(groups, skipped, self.epoch, window_key)
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """Numpy scalars/arrays from Ray batches -> plain values materialize can use."""
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, np.ndarray) and v.dtype == object:
+            v = list(v)
+        out[k] = v
+    return out
+
+
+class MaterializeStage:
+    """Callable: PLAN row -> BATCH row (fetch the payloads, decode, resize, patchify, expand,
+    collate, encode); the payloads are released once the BATCH rows are built."""
+
+    def __init__(self, image_cfg: ImageConfig, budget_cfg: BudgetConfig, pad_id: int, payloads):
+        self.image_cfg, self.budget_cfg, self.pad_id = image_cfg, budget_cfg, pad_id
+        self.payloads = payloads
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        out: dict[str, list] = {k: [] for k in (
+            S.BATCH_ID, S.BATCH_SAMPLE_IDS, S.BATCH_PAYLOAD, S.BATCH_REAL_TOKENS, S.BATCH_PADDED_TOKENS,
+            S.BATCH_TARGET_TOKENS, S.BATCH_N_SAMPLES, S.BATCH_SKIPPED, S.BATCH_POSITIONS,
+            S.BATCH_POSITION_UNIT_ROWS)}
+        done: list[str] = []
+        for i in range(len(batch[S.BATCH_ID])):
+            keys = [str(k) for k in batch[PAYLOAD_KEYS][i]]
+            row = materialize_plan_row(self.payloads.get(keys), json.loads(str(batch[S.BATCH_SKIPPED][i])),
+                                       self.image_cfg, self.budget_cfg, self.pad_id)
+            row[S.BATCH_ID] = str(batch[S.BATCH_ID][i])
+            for k in out:
+                out[k].append(row[k])
+            done += keys
+        self.payloads.done(done)
+        return out
+
+
+def materialize_plan_row(members: list[dict], skipped: list, image_cfg: ImageConfig,
+                         budget_cfg: BudgetConfig, pad_id: int) -> dict[str, Any]:
+    """Pure: the measured rows of one planned batch -> the fields of a BATCH row.
+
+    ``skipped``: [sample id, reason(, read position, unit rows)] entries carried from the plan.
+    """
+    from ray_mmbatch.batching.collate import collate_pack, collate_pad, encode_batch
+    from ray_mmbatch.data.image import ImageSkip
+    from ray_mmbatch.data.materialize import materialize_sample
+
+    samples, positions = [], []
+    skipped = [list(s) + [-1, 0][len(s) - 2:] for s in skipped]
+    for r in members:
+        try:
+            samples.append(materialize_sample(r, image_cfg))
+            positions.append(_position(r))
+        except ImageSkip as e:
+            skipped.append([str(r[S.SAMPLE_ID]), f"{e.reason}: {e}", *_position(r)])
+    if samples:
+        collate = collate_pack if budget_cfg.mode == "pack" else collate_pad
+        b = collate(samples, pad_id)
+        real = int(b["real_tokens"])
+        padded = budget_cfg.max_tokens if budget_cfg.mode == "pack" else int(np.prod(b["input_ids"].shape))
+        payload, target = encode_batch(b), int(b["target_tokens"])
+    else:
+        real = padded = target = 0
+        payload = b""
+    return {
+        S.BATCH_SAMPLE_IDS: [s["sample_id"] for s in samples],
+        S.BATCH_PAYLOAD: payload,
+        S.BATCH_REAL_TOKENS: real,
+        S.BATCH_PADDED_TOKENS: padded,
+        S.BATCH_TARGET_TOKENS: target,
+        S.BATCH_N_SAMPLES: len(samples),
+        S.BATCH_SKIPPED: json.dumps([s[:2] for s in skipped]),
+        S.BATCH_POSITIONS: [p for p, _ in positions] + [int(s[2]) for s in skipped],
+        S.BATCH_POSITION_UNIT_ROWS: [n for _, n in positions] + [int(s[3]) for s in skipped],
+    }
