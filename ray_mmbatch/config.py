@@ -208,6 +208,13 @@ class DataConfig:
     """Upper bound of the actor pools for measure and materialize."""
     measure_batch: int = 64
     """Rows per measure call (tokenizer batch)."""
+    payload_memory_mb: float = 2048.0
+    """Memory for measured samples waiting between measure and materialize (their image bytes), over all
+    payload holders of a training stream (payloads.py, plus up to a quarter of it for recently released rows
+    kept for retries): beyond it rows spill to local disk under payload_spill_dir, so a slow consumer never
+    makes the holders keep an epoch of images in memory. 0 = no bound (never spill)."""
+    payload_spill_dir: str = ""
+    """Folder for spilled payloads on each holder's node ('' = the system temp folder); deleted at exit."""
     max_file_bytes: int = 64 * 2**20
     """Largest image file / tar member read (bytes; from the tar header or stat, before reading); larger ones
     are skipped as file_too_large. 0 = no limit."""

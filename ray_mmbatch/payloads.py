@@ -1,4 +1,4 @@
-"""Where a measured sample waits while only its costs are planned.
+"""Where a measured sample waits while only its costs are planned, in bounded memory.
 
 The plan stage is serial (ONE carry actor, stream order), so it must not carry pixels:
 measure leaves each usable sample's measured row (image bytes, token ids, grids) in a
@@ -8,7 +8,7 @@ materialize fetches the rows of its batch by key and releases them. One interfac
 
     LocalPayloads   a dict, for the in-process path (local_batches, benchmarks)
     RayPayloads     ``holders`` PayloadHolder actors per dataset, a sample's holder chosen
-                    by its key; bytes go measure -> holder -> materialize, in parallel
+                    by its read unit; bytes go measure -> holder -> materialize, in parallel
                     over the holders, never through the plan actor
 
 Why holder actors, not ObjectRefs in the rows: an object dies with its owner, and the
@@ -23,24 +23,55 @@ payload stays in a short ``recent`` list, so a materialize task retried after it
 died still finds it. A key no holder knows, or a dead holder, raises: the stream fails
 and training restores from its checkpoint (never a silent loss).
 
-Backpressure - open: Ray Data cannot see what the holders keep (its budget sees only the
-light rows), so measure may run ahead of materialize and the holders' memory grows with
-that lead. ``put`` must NOT simply wait when a holder is full: with preserve_order the plan
-stage takes windows in stream order, so a measure task blocked on an early block while
-later blocks fill the holders deadlocks the stream (seen in bench_plan_stage at 4,000
-samples with a cap of 8 windows). ``in_flight`` is there for the bound still to design.
+Memory bound: spill, never wait. Ray Data's backpressure sees only the light rows, so
+measure can run ahead of a slow consumer and the holders keep the whole lead (an epoch
+of images in the worst case). Each holder keeps at most its share of
+``data.payload_memory_mb`` in memory; a put that does not fit is written to a spill file
+on the holder's local disk (one file per put, each row at its own offset, so a get reads
+only its rows) and read back by ``get``, as Ray's object store spills. A put never waits,
+and that is on purpose: with preserve_order the plan stage takes windows in stream
+order, and Ray Data runs measure tasks out of that order (several queued per actor), so
+a put that waits for memory can sit in front of the very block the stream needs next,
+which only the stream's progress would free (a waiting design hung this way in
+tests/test_pipeline.py at a 0.25 MB cap). Spill files are deleted when their last row
+is released (and out of ``recent``), and the holder's folder when the holder exits.
+Memory per holder: at most its cap for held rows plus a quarter of it for released rows
+kept for retries (``recent``). Statistics (``stats()``: peak bytes in memory, rows and
+bytes spilled, spill reads).
 """
 from __future__ import annotations
 
+import atexit
+import os
+import pickle
+import shutil
+import tempfile
 import zlib
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import ray
+
+ROW_OVERHEAD = 512  # bytes per held row besides its arrays and image bytes (dict, keys, scalars)
+UNLIMITED = float("inf")
+
+
+def row_nbytes(row: dict[str, Any]) -> int:
+    """Memory a measured row holds: image bytes, numpy arrays, plus a fixed overhead."""
+    n = ROW_OVERHEAD
+    for v in row.values():
+        if isinstance(v, np.ndarray):
+            n += v.nbytes if v.dtype != object else sum(len(x) for x in v if isinstance(x, (bytes, bytearray)))
+        elif isinstance(v, (bytes, bytearray, str)):
+            n += len(v)
+        elif isinstance(v, (list, tuple)):
+            n += sum(len(x) if isinstance(x, (bytes, bytearray)) else getattr(x, "nbytes", 8) for x in v)
+    return n
 
 
 class LocalPayloads:
-    """In-process store: measured rows by key."""
+    """In-process store: measured rows by key (one process plans in order: nothing to bound)."""
 
     def __init__(self) -> None:
         self._rows: dict[str, dict[str, Any]] = {}
@@ -56,43 +87,165 @@ class LocalPayloads:
             self._rows.pop(k, None)
 
 
-class PayloadHolder:
-    """Keeps measured rows by key until materialized (+ the last ``recent`` released ones)."""
+class _Spilled:
+    """Where a spilled row lies: file, offset, length."""
 
-    def __init__(self, recent: int) -> None:
-        self.rows: dict[str, Any] = {}
-        self.recent: OrderedDict[str, Any] = OrderedDict()
-        self.recent_max = max(1, int(recent))
+    __slots__ = ("path", "offset", "length")
 
-    def put(self, keys: list[str], rows: list) -> int:
-        self.rows.update(zip(keys, rows))
+    def __init__(self, path: str, offset: int, length: int) -> None:
+        self.path, self.offset, self.length = path, offset, length
+
+
+class PayloadLedger:
+    """One holder's rows: in memory up to ``cap_bytes``, spilled to ``spill_dir`` beyond (no Ray)."""
+
+    def __init__(self, cap_bytes: float = UNLIMITED, recent: int = 1024, recent_bytes: float = UNLIMITED,
+                 spill_dir: str | None = None) -> None:
+        self.cap = float(cap_bytes) if cap_bytes and cap_bytes > 0 else UNLIMITED
+        self.rows: dict[str, Any] = {}  # key -> row (in memory) or _Spilled
+        self.sizes: dict[str, int] = {}  # in-memory bytes of each held row (0 when spilled)
+        self.bytes = 0
+        self.recent: OrderedDict[str, tuple[Any, int]] = OrderedDict()
+        self.recent_bytes = 0
+        self.recent_max, self.recent_max_bytes = max(1, int(recent)), recent_bytes
+        self.spill_root, self.spill_dir = spill_dir, None
+        self.file_refs: dict[str, int] = {}
+        self.files = 0
+        self.stats = {"puts": 0, "rows_put": 0, "peak_bytes": 0, "peak_rows": 0, "spilled_puts": 0,
+                      "spilled_rows": 0, "spilled_bytes": 0, "spill_reads": 0,
+                      "peak_held_bytes": 0}
+
+    def _spill(self, keys: list[str], rows: list) -> list[_Spilled]:
+        if self.spill_dir is None:
+            self.spill_dir = tempfile.mkdtemp(prefix="ray_mmbatch_payloads_", dir=self.spill_root or None)
+            atexit.register(shutil.rmtree, self.spill_dir, True)
+        path = os.path.join(self.spill_dir, f"{self.files:08d}.pkl")
+        self.files += 1
+        out = []
+        with open(path, "wb") as f:
+            for r in rows:
+                data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)
+                out.append(_Spilled(path, f.tell(), len(data)))
+                f.write(data)
+            self.stats["spilled_bytes"] += f.tell()
+        self.file_refs[path] = len(rows)
+        self.stats["spilled_puts"] += 1
+        self.stats["spilled_rows"] += len(rows)
+        return out
+
+    def _unref(self, entry: Any) -> None:
+        if isinstance(entry, _Spilled):
+            self.file_refs[entry.path] -= 1
+            if self.file_refs[entry.path] <= 0:
+                del self.file_refs[entry.path]
+                os.remove(entry.path)
+
+    def _drop(self, key: str) -> None:  # a retried measure task overwrites its own keys
+        if key in self.rows:
+            self.bytes -= self.sizes.pop(key)
+            self._unref(self.rows.pop(key))
+
+    def put(self, keys: list[str], rows: list, sizes: list[int]) -> int:
+        for k in keys:
+            self._drop(k)
+        need = int(sum(sizes))
+        if self.bytes + need <= self.cap:
+            self.rows.update(zip(keys, rows))
+            self.sizes.update(zip(keys, (int(b) for b in sizes)))
+            self.bytes += need
+        else:
+            self.rows.update(zip(keys, self._spill(keys, rows)))
+            self.sizes.update((k, 0) for k in keys)
+        self.stats["puts"] += 1
+        self.stats["rows_put"] += len(keys)
+        self.stats["peak_bytes"] = max(self.stats["peak_bytes"], self.bytes + self.recent_bytes)
+        self.stats["peak_held_bytes"] = max(self.stats["peak_held_bytes"], self.bytes)
+        self.stats["peak_rows"] = max(self.stats["peak_rows"], len(self.rows))
         return len(self.rows)
 
-    def in_flight(self) -> int:
-        return len(self.rows)
+    def _load(self, entry: Any) -> Any:
+        if not isinstance(entry, _Spilled):
+            return entry
+        self.stats["spill_reads"] += 1
+        with open(entry.path, "rb") as f:
+            f.seek(entry.offset)
+            return pickle.loads(f.read(entry.length))
 
     def get(self, keys: list[str]) -> list:
         try:
-            return [self.rows[k] if k in self.rows else self.recent[k] for k in keys]
+            return [self._load(self.rows[k] if k in self.rows else self.recent[k][0]) for k in keys]
         except KeyError as e:
             raise KeyError(f"payload {e} is no longer held; failing the stream rather than dropping "
                            "the sample (training restores from its checkpoint)") from None
 
     def done(self, keys: list[str]) -> None:
         for k in keys:
-            row = self.rows.pop(k, None)
-            if row is not None:
-                self.recent[k] = row
-        while len(self.recent) > self.recent_max:
-            self.recent.popitem(last=False)
+            entry = self.rows.pop(k, None)
+            if entry is None:
+                continue
+            b = self.sizes.pop(k)
+            self.bytes -= b
+            if k in self.recent:  # released twice (a retried materialize): keep one entry
+                old, ob = self.recent.pop(k)
+                self.recent_bytes -= ob
+                self._unref(old)
+            self.recent[k] = (entry, b)
+            self.recent_bytes += b
+        while self.recent and (len(self.recent) > self.recent_max or self.recent_bytes > self.recent_max_bytes):
+            entry, b = self.recent.popitem(last=False)[1]
+            self.recent_bytes -= b
+            self._unref(entry)
+
+    def in_flight(self) -> int:
+        return len(self.rows)
+
+    def summary(self) -> dict[str, Any]:
+        return dict(self.stats, held_bytes=self.bytes, held_rows=len(self.rows), spill_files=len(self.file_refs),
+                    cap_bytes=self.cap if self.cap != UNLIMITED else 0)
+
+    def close(self) -> None:
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+
+
+class PayloadHolder:
+    """Actor: a PayloadLedger (``recent`` bounded to a quarter of the cap too when there is one)."""
+
+    def __init__(self, cap_bytes: float = UNLIMITED, recent: int = 1024, spill_dir: str | None = None) -> None:
+        bounded = bool(cap_bytes and cap_bytes > 0 and cap_bytes != UNLIMITED)
+        self.ledger = PayloadLedger(cap_bytes, recent, recent_bytes=cap_bytes / 4 if bounded else UNLIMITED,
+                                    spill_dir=spill_dir)
+
+    def put(self, keys: list[str], rows: list, sizes: list[int]) -> int:
+        return self.ledger.put(keys, rows, sizes)
+
+    def get(self, keys: list[str]) -> list:
+        return self.ledger.get(keys)
+
+    def done(self, keys: list[str]) -> None:
+        self.ledger.done(keys)
+
+    def in_flight(self) -> int:
+        return self.ledger.in_flight()
+
+    def stats(self) -> dict[str, Any]:
+        return self.ledger.summary()
 
 
 class RayPayloads:
-    """Client of the PayloadHolder actors of one dataset; picklable (stages get a copy)."""
+    """Client of the PayloadHolder actors of one dataset; picklable (stages get a copy).
 
-    def __init__(self, holders: int, recent: int, **actor_options: Any) -> None:
+    ``cap_bytes``: memory for waiting rows over all holders (0 = unbounded); beyond it rows
+    spill to ``spill_dir`` (default: the system temp folder) on the holder's node.
+    """
+
+    def __init__(self, holders: int, recent: int, cap_bytes: float = 0, spill_dir: str | None = None,
+                 **actor_options: Any) -> None:
+        n = max(1, int(holders))
         cls = ray.remote(num_cpus=0, max_restarts=0)(PayloadHolder)
-        self.holders = [cls.options(**actor_options).remote(recent=recent) for _ in range(max(1, int(holders)))]
+        share = cap_bytes / n if cap_bytes and cap_bytes > 0 else UNLIMITED
+        self.holders = [cls.options(**actor_options).remote(cap_bytes=share, recent=recent, spill_dir=spill_dir)
+                        for _ in range(n)]
 
     def _split(self, keys: list[str]) -> dict[int, list[int]]:
         parts: dict[int, list[int]] = {}
@@ -102,9 +255,9 @@ class RayPayloads:
         return parts
 
     def put(self, keys: list[str], rows: list[dict[str, Any]]) -> None:
-        parts = self._split(keys)
-        ray.get([self.holders[h].put.remote([keys[i] for i in idx], [rows[i] for i in idx])
-                 for h, idx in parts.items()])
+        sizes = [row_nbytes(r) for r in rows]
+        ray.get([self.holders[h].put.remote([keys[i] for i in idx], [rows[i] for i in idx], [sizes[i] for i in idx])
+                 for h, idx in self._split(keys).items()])
 
     def get(self, keys: list[str]) -> list[dict[str, Any]]:
         out: list = [None] * len(keys)
@@ -118,3 +271,6 @@ class RayPayloads:
     def done(self, keys: list[str]) -> None:
         for h, idx in self._split(keys).items():
             self.holders[h].done.remote([keys[i] for i in idx])
+
+    def stats(self) -> list[dict[str, Any]]:
+        return ray.get([h.stats.remote() for h in self.holders])

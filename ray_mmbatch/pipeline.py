@@ -43,7 +43,13 @@ def stage_args(cfg: Config) -> dict[str, Any]:
     return {}
 
 
-def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done=None, payloads=None):
+def read_shuffle_seed(cfg: Config, epoch: int) -> int | None:
+    """Epochs after the first read their units in a seeded order (readers.read_order)."""
+    return cfg.train.seed + epoch if cfg.train.seed is not None and epoch > 0 else None
+
+
+def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done=None, payloads=None,
+                     listing: tuple | None = None):
     """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
 
     Epochs after the first read their units (row groups / shards / chunks) in a seeded order.
@@ -52,8 +58,8 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     """
     from ray_mmbatch.readers import read_raw
 
-    shuffle = cfg.train.seed + epoch if cfg.train.seed is not None and epoch > 0 else None
-    ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=shuffle, end_marker=end_marker, done=done)
+    ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=read_shuffle_seed(cfg, epoch), end_marker=end_marker,
+                  done=done, listing=listing)
     return ds.map_batches(
         MeasureStage, batch_size=cfg.data.measure_batch, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads),
@@ -62,25 +68,30 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     )
 
 
-def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch: int = 0):
+def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch: int = 0,
+                  return_payloads: bool = False):
     """The whole data path of one epoch for training: one BATCH row per planned batch.
 
     ``position`` (resume) is a checkpoint's data position (data.position.DataPosition's
     state_dict): what this epoch trained is left out as it is read, so a resumed run
     measures and decodes none of it and re-plans only what is left, whatever window
     boundaries Ray Data draws. Epoch e reads its units in a seeded order and plans with
-    seeds of its own; batch ids start with ``e{epoch}/``.
+    seeds of its own; batch ids start with ``e{epoch}/``. ``return_payloads``: return
+    (dataset, the payload store) to read the holders' ``stats()`` after the pass.
     """
     from ray_mmbatch.data.position import DataPosition
+    from ray_mmbatch.payloads import RayPayloads
+    from ray_mmbatch.readers import read_units
 
     done = DataPosition.from_state(position).epochs.get(epoch)
-    from ray_mmbatch.payloads import RayPayloads
-
     carry = uses_carry(cfg.budget)
-    # measured rows wait in holder actors that live as long as this dataset (payloads.py)
+    listing = read_units(cfg.data.path, cfg.data)
+    # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
     payloads = RayPayloads(holders=max(1, cfg.data.preprocess_workers), recent=max(1024, cfg.budget.window),
+                           cap_bytes=cfg.data.payload_memory_mb * 2**20,
+                           spill_dir=cfg.data.payload_spill_dir or None,
                            **stage_args(cfg))
-    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads)
+    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads, listing=listing)
     if carry:  # one actor: one carry, fed the windows in stream order
         with warnings.catch_warnings():
             # Ray Data lets actor tasks run out of order by default; the carry needs windows in
@@ -103,7 +114,8 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
         **stage_args(cfg))
     # One batch per block: Train's split hands out whole blocks, so a block holding a
     # window's worth of batches would starve the other ranks (streaming, no barrier).
-    return ds.repartition(target_num_rows_per_block=1)
+    ds = ds.repartition(target_num_rows_per_block=1)
+    return (ds, payloads) if return_payloads else ds
 
 
 def set_deterministic(deterministic: bool) -> None:

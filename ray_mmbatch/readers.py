@@ -44,12 +44,17 @@ def read_unit_table(units: pa.Table, fmt: str, data_cfg: DataConfig) -> pa.Table
     return pa.concat_tables(tables) if tables else rows_to_table([])
 
 
+def read_order(n_units: int, shuffle_seed: int | None) -> list[int]:
+    """The order an epoch reads its units in (listing indices): sorted, or a seeded permutation."""
+    if shuffle_seed is None:
+        return list(range(n_units))
+    return random.Random(shuffle_seed).sample(range(n_units), n_units)
+
+
 def _units_dataset(units: list[dict], blocks: int | None, shuffle_seed: int | None,
                    end_marker: bool) -> ray.data.Dataset:
     """Read units -> a from_items Dataset: optionally permuted, optionally + the end-marker unit."""
-    if shuffle_seed is not None:
-        units = random.Random(shuffle_seed).sample(units, len(units))
-    units = with_end_unit(units, end_marker)
+    units = with_end_unit([units[i] for i in read_order(len(units), shuffle_seed)], end_marker)
     return ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
 
 
@@ -92,15 +97,17 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -
 
 
 def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
-             shuffle_seed: int | None = None, end_marker: bool = False, done=None) -> ray.data.Dataset:
+             shuffle_seed: int | None = None, end_marker: bool = False, done=None,
+             listing: tuple | None = None) -> ray.data.Dataset:
     """A Dataset of RAW rows (schema.RAW_COLUMNS + READ_POSITION_COLUMNS) for a Parquet / WebDataset / LLaVA path.
 
     ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
     *.tar -> webdataset; a single file by its extension. ``shuffle_seed`` permutes the read
     units; ``end_marker`` appends the end-of-stream row (see the module docstring); ``done``
-    (resume) leaves out what an epoch already trained (see read_with_position).
+    (resume) leaves out what an epoch already trained (see read_with_position); ``listing``: what
+    ``read_units`` returned, when the caller listed already.
     """
-    units, read_fn, kwargs = read_units(path, data_cfg)
+    units, read_fn, kwargs = listing or read_units(path, data_cfg)
     units = [dict(u, **{schema.UNIT: i}) for i, u in enumerate(units)]  # index in the sorted listing
     ds = _units_dataset(units, override_num_blocks, shuffle_seed, end_marker)
     ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done},

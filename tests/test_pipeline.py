@@ -125,6 +125,29 @@ def test_deterministic_mode_repeats_batches(ray_cluster, bad_webdataset):
     assert len({bid for bid, _ in first}) == len(first), "batch ids must be unique"
 
 
+def test_payload_memory_cap_spills_without_changing_batches(ray_cluster, bad_webdataset):
+    """A payload cap far below the data (0.5 MB for ~4 MB of images): the holders spill to
+    disk, never hold more than the cap in memory, and the batches are the unbounded run's."""
+    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+
+    path, _ = bad_webdataset
+    cfg = _cfg(path, "webdataset", mode="pack", max_tokens=2048)
+    set_deterministic(True)
+    pad_id = tokenizer_ids(cfg)["pad_id"]
+    unbounded = [(r[S.BATCH_ID], list(r[S.BATCH_SAMPLE_IDS])) for r in batch_dataset(cfg, pad_id).take_all()]
+    cfg.data.payload_memory_mb, cfg.data.measure_batch = 0.5, 8  # puts of ~8 images: some fit, some spill
+    ds, payloads = batch_dataset(cfg, pad_id, return_payloads=True)
+    bounded = [(r[S.BATCH_ID], list(r[S.BATCH_SAMPLE_IDS])) for r in ds.take_all()]
+    assert bounded == unbounded
+    stats = payloads.stats()
+    assert sum(s["rows_put"] for s in stats) > 100
+    assert sum(s["rows_put"] for s in stats) > sum(s["spilled_rows"] for s in stats) > 0, stats
+    assert sum(s["spill_reads"] for s in stats) >= sum(s["spilled_rows"] for s in stats)
+    assert all(s["peak_held_bytes"] <= s["cap_bytes"] and s["peak_bytes"] <= 1.25 * s["cap_bytes"]
+               for s in stats), stats
+    assert all(s["held_rows"] == 0 for s in stats), "rows left behind after the pass"
+
+
 def test_resume_filter_drops_consumed_samples_before_planning(ray_cluster, bad_webdataset):
     from ray_mmbatch.data.position import DataPosition
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
