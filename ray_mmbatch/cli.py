@@ -43,7 +43,7 @@ FLAGS: dict[str, str] = {
     "--epochs": "train.epochs", "--report-every": "train.report_every",
     "--checkpoint-every": "train.checkpoint_every", "--max-failures": "train.max_failures",
     "--seed": "train.seed", "--deterministic": "train.deterministic", "--ledger": "train.ledger",
-    "--output-dir": "train.output_dir", "--run-name": "train.run_name",
+    "--output-dir": "train.output_dir", "--run-name": "train.run_name", "--storage": "train.storage",
 }
 
 

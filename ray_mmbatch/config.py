@@ -172,7 +172,11 @@ class TrainConfig:
     ledger: bool = False
     """Record, per rank, which sample ids were trained (for exactly-once checks)."""
     output_dir: str = "runs/demo"
-    """Where summary.json, metrics, checkpoints and reports go."""
+    """Where summary.json, metrics, logs and reports go: a local folder (or one every node mounts, for the
+    per-rank logs of a multi-node run); checkpoints too unless ``storage`` says otherwise."""
+    storage: str = ""
+    """Where Ray Train persists checkpoints: a folder every node can reach or a bucket URI (s3://, gs://,
+    abfs://; credentials and AWS_ENDPOINT_URL from the environment). '' = OUTPUT_DIR/ray_storage."""
     run_name: str = ""
     """Run name (re-running with the same name resumes); empty = output_dir's name."""
     fsdp: bool = False

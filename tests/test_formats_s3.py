@@ -154,7 +154,11 @@ def test_short_train_from_s3_trains_every_sample_of_the_local_copy(ray_cluster, 
     import csv
     import json
 
+    import pyarrow.fs as pafs
+
     from ray_mmbatch.config import Config
+    from ray_mmbatch.formats import fs
+    from ray_mmbatch.train.checkpoint import read_latest_position
     from ray_mmbatch.train.trainer import run_training
 
     local, remote = s3
@@ -162,8 +166,15 @@ def test_short_train_from_s3_trains_every_sample_of_the_local_copy(ray_cluster, 
     cfg.data = DataConfig(path=f"{remote}/parquet")
     cfg.budget.max_tokens, cfg.budget.window = 2048, 16
     cfg.train.output_dir, cfg.train.ledger, cfg.train.max_steps = str(tmp_path / "run"), True, 0
+    cfg.train.storage = f"s3://{BUCKET}/ckpts"  # checkpoints in the bucket, logs in the local folder
     summary = run_training(cfg)
     out = tmp_path / "run"
+    # the checkpoints went to the bucket, and a resume reads its data position from there
+    bucket, path = fs.split(f"{cfg.train.storage}/run")
+    stored = [i.path for i in bucket.get_file_info(pafs.FileSelector(path, recursive=True))]
+    assert any(p.endswith("/state.json") for p in stored) and not (out / "ray_storage").exists(), stored
+    position = read_latest_position(tmp_path / "nowhere", f"{cfg.train.storage}/run")
+    assert position is not None and position["epochs"], position
     trained = [sid for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl"))
                for line in p.read_text().splitlines() for sid in json.loads(line)["sample_ids"]]
     with open(out / S.RUN_SKIPPED) as f:
@@ -181,3 +192,20 @@ def test_access_denied_fails_at_start_naming_the_uri(s3, monkeypatch):
     with pytest.raises(DataLocationError, match=f"{remote}/parquet".replace("/", ".")) as err:
         read_units(f"{remote}/parquet", DataConfig())
     assert "cannot read" in str(err.value) and "ACCESS_DENIED" in str(err.value).upper().replace(" ", "_")
+
+
+def test_output_dir_uri_or_missing_storage_bucket_fail_at_start(s3):
+    """--output-dir is a folder: a URI there is refused with the fix named; a --storage bucket that
+    does not exist fails before any worker starts, naming it."""
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.train.trainer import check_output_locations
+
+    cfg = Config()
+    cfg.train.output_dir = f"s3://{BUCKET}/runs/a"
+    with pytest.raises(ValueError, match=r"--storage s3://vlm-data/runs/a/ray_storage"):
+        check_output_locations(cfg)
+    cfg.train.output_dir, cfg.train.storage = "runs/a", "s3://no-such-bucket-here/ckpts"
+    with pytest.raises(DataLocationError, match="no-such-bucket-here"):
+        check_output_locations(cfg)
+    cfg.train.storage = f"s3://{BUCKET}/ckpts"
+    check_output_locations(cfg)  # an existing bucket passes

@@ -122,11 +122,14 @@ def read_latest_position(output_dir: str | Path, run_storage: str | Path | None 
     state. Failing that, our own pointer, written after each registered checkpoint.
     The train loop masks out anything this view misses, so it only has to be close.
     """
-    if run_storage is not None:
+    if run_storage is not None:  # a folder or a bucket URI (train.storage)
+        from ray_mmbatch.formats import fs
+
         try:
-            snap = json.loads((Path(run_storage) / "checkpoint_manager_snapshot.json").read_text())
+            root = str(run_storage)
+            snap = json.loads(fs.read_bytes(fs.join(root, "checkpoint_manager_snapshot.json")))
             name = snap["latest_checkpoint_result"]["checkpoint_dir_name"]
-            return load_state(Path(run_storage) / name).get("position")
+            return json.loads(fs.read_bytes(fs.join(fs.join(root, name), STATE))).get("position")
         except (OSError, ValueError, KeyError, TypeError):
             pass
     try:

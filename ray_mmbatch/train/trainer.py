@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pyarrow.fs as pafs
 import ray
 from ray.train import DataConfig
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
+from ray_mmbatch.formats import fs
 from ray_mmbatch.runlog import read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 
@@ -135,6 +137,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     from ray_mmbatch.train.loop import train_loop_per_worker
 
     cfg = configure(cfg)  # a checkpoint's image / text settings, before the data path is built
+    check_output_locations(cfg)
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     cfg.train.output_dir = str(out)
@@ -142,7 +145,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     set_deterministic(cfg.train.deterministic)
 
     name = run_name or cfg.train.run_name or out.name
-    storage = out / "ray_storage"
+    storage = storage_location(cfg)
 
     progress = ray.data.DataContext.get_current().enable_progress_bars
 
@@ -153,7 +156,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
             # stream without the samples the checkpoint being restored already trained.
             set_deterministic(cfg.train.deterministic)
             ray.data.DataContext.get_current().enable_progress_bars = progress
-            return batch_dataset(cfg, ids["pad_id"], position=ckpt.read_latest_position(out, storage / name),
+            return batch_dataset(cfg, ids["pad_id"], position=ckpt.read_latest_position(out, fs.join(storage, name)),
                                  epoch=epoch)
         return build
 
@@ -172,7 +175,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=_worker_resources(cfg)),
         run_config=RunConfig(
-            name=name, storage_path=str(storage),
+            name=name, storage_path=storage,
             failure_config=FailureConfig(max_failures=cfg.train.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=callbacks or None,
@@ -180,6 +183,36 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
         datasets=datasets,
         dataset_config=LosslessDataConfig(execution_options=ingest),
     )
+
+
+def check_output_locations(cfg: Config) -> None:
+    """``output_dir`` is a folder (logs are appended to, per rank); a bucket goes in ``storage``.
+
+    A ``storage`` URI must be reachable at start (its bucket listed), so a typo or missing
+    credentials fail here, naming the URI, not at the first checkpoint.
+    """
+    if fs.is_uri(cfg.train.output_dir):
+        raise ValueError(f"--output-dir {cfg.train.output_dir}: the output dir is a folder (per-rank logs are "
+                         "appended to); put checkpoints in a bucket with --storage "
+                         f"{cfg.train.output_dir.rstrip('/')}/ray_storage and give --output-dir a local or "
+                         "shared folder")
+    if fs.is_uri(cfg.train.storage):
+        filesystem, path = fs.split(cfg.train.storage)
+        bucket = path.split("/", 1)[0]
+        try:
+            info = filesystem.get_file_info(bucket)
+        except OSError as e:
+            raise fs.DataLocationError(f"--storage {cfg.train.storage}: cannot reach it ({e})") from None
+        if info.type == pafs.FileType.NotFound:
+            raise fs.DataLocationError(f"--storage {cfg.train.storage}: bucket {bucket!r} does not exist")
+
+
+def storage_location(cfg: Config) -> str:
+    """Where Ray Train persists checkpoints (RunConfig.storage_path): train.storage or OUTPUT_DIR/ray_storage."""
+    if cfg.train.storage:
+        return cfg.train.storage if fs.is_uri(cfg.train.storage) else str(Path(fs.local_path(cfg.train.storage))
+                                                                          .resolve())
+    return str(Path(cfg.train.output_dir).resolve() / "ray_storage")
 
 
 def run_training(cfg: Config) -> dict[str, Any]:
