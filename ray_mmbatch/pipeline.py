@@ -81,11 +81,12 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     """
     from ray_mmbatch.data.position import DataPosition
     from ray_mmbatch.payloads import RayPayloads
-    from ray_mmbatch.readers import read_units
+    from ray_mmbatch.readers import check_listing, listing_digest, read_units
 
     done = DataPosition.from_state(position).epochs.get(epoch)
     carry = uses_carry(cfg.budget)
     listing = read_units(cfg.data.path, cfg.data)
+    check_listing(position, listing_digest(listing[0]), cfg.data.path)  # the indices must mean the same units
     # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
     payloads = RayPayloads(holders=max(1, cfg.data.preprocess_workers), recent=max(1024, cfg.budget.window),
                            cap_bytes=cfg.data.payload_memory_mb * 2**20,

@@ -13,7 +13,10 @@ environment (AWS_* etc.) the driver's cluster was started with.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import random
+import zlib
 
 import pyarrow as pa
 import ray
@@ -66,6 +69,30 @@ def read_units(path: str, data_cfg: DataConfig):
     """
     fmt, units = formats.list_units(path, data_cfg)
     return units, read_unit_table, {"fmt": fmt, "data_cfg": data_cfg}
+
+
+def listing_digest(units: list[dict]) -> str:
+    """What the data position's unit indices refer to: each unit's relative path, row group, row
+    offset and row count (and a CRC of a LLaVA chunk's records), hashed; the same wherever the
+    data is mounted (a local copy and its bucket give the same digest)."""
+    h = hashlib.sha256()
+    for u in units:
+        rec = u.get("records")
+        key = [u.get("rel", ""), u.get("row_group", -1), u.get("row_offset", -1), u.get("rows", -1),
+               zlib.crc32(rec.encode()) if isinstance(rec, str) else -1]
+        h.update(json.dumps(key).encode())
+    return f"{len(units)}:{h.hexdigest()[:16]}"
+
+
+def check_listing(position: dict | None, digest: str, path: str) -> None:
+    """A resume over a different listing would leave out the wrong rows: fail, naming both."""
+    recorded = str((position or {}).get("listing") or "")
+    if recorded and recorded != digest:
+        raise ValueError(
+            f"{path}: the dataset's read units changed since the checkpoint (listing {recorded} then, {digest} "
+            "now: files added, removed or rewritten). The checkpoint's data position counts units in the "
+            "old listing, so resuming over this one would skip the wrong samples. Restore the old files, or "
+            "start a new run (another --run-name / --output-dir) to train on the new set.")
 
 
 def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -> pa.Table:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from ray_mmbatch.data.position import DataPosition, EpochPosition, encode_positions
 
@@ -39,3 +40,29 @@ def test_state_round_trips_and_stays_small():
     assert back.contains(1, encode_positions([4, 4], [0, 1])).tolist() == [True, False]
     assert back.contains(2, encode_positions([4], [0])).tolist() == [False]
     assert DataPosition.from_state(None).state_dict() == {"version": 1, "epochs": {}}
+
+
+def test_listing_digest_follows_the_units_not_the_mount_and_a_changed_listing_refuses_resume(tmp_path):
+    import shutil
+
+    from ray_mmbatch.config import DataConfig
+    from ray_mmbatch.readers import check_listing, listing_digest, read_units
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    generate_dataset(str(tmp_path / "a"), 30, "parquet", seed=1, shard_size=10, workers=1)
+    digest = listing_digest(read_units(str(tmp_path / "a"), DataConfig())[0])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")  # the same files elsewhere (another mount, a bucket)
+    assert listing_digest(read_units(str(tmp_path / "b"), DataConfig())[0]) == digest
+    (tmp_path / "b" / "train-00001-of-00003.parquet").unlink()  # a file gone: the indices shift
+    changed = listing_digest(read_units(str(tmp_path / "b"), DataConfig())[0])
+    assert changed != digest and changed.startswith("2:") and digest.startswith("3:")
+
+    dp = DataPosition()
+    dp.listing = digest
+    dp.add(0, encode_positions([0], [1]), [10])
+    state = dp.state_dict()
+    assert DataPosition.from_state(state).listing == digest
+    check_listing(state, digest, "a")  # same listing: resumes
+    check_listing({"epochs": {}}, changed, "b")  # a checkpoint from before digests: nothing to compare
+    with pytest.raises(ValueError, match=r"read units changed since the checkpoint \(listing 3:.* then, 2:"):
+        check_listing(state, changed, "b")

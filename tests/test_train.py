@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import threading
 import time
@@ -81,6 +82,18 @@ def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet,
     assert first["steps"] == 3
     partial = ledger(out)
     assert partial and len(partial) == len(set(partial))
+    # the position records which listing its unit indices count; a re-run over another listing
+    # (here: the same files plus one more, elsewhere) stops before training, naming the cause
+    from ray_mmbatch.readers import listing_digest, read_units
+    from ray_mmbatch.train.checkpoint import read_latest_position
+
+    cfg = _cfg(data, out)
+    assert read_latest_position(out)["listing"] == listing_digest(read_units(str(data), cfg.data)[0])
+    changed = tmp_path / "changed"
+    shutil.copytree(data, changed)
+    shutil.copy(next(changed.glob("*.parquet")), changed / "zz-extra.parquet")
+    with pytest.raises(ValueError, match="read units changed since the checkpoint"):
+        run_training(_cfg(changed, out, num_workers=2, max_steps=0, epochs=2))
 
     summary = run_training(_cfg(data, out, num_workers=2, max_steps=0, fault_at_step=7, epochs=2))
     assert (out / "fault_drill_done").read_text() == "7", "the fault drill did not fire"

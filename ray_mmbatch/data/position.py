@@ -13,8 +13,11 @@ the samples trained: 100 M samples in 50,000 units stopped mid-epoch is ~10 kB
 (benchmarks/bench_resume_state.py). A resumed epoch reads no finished unit and drops the
 done rows of units in flight as they are read (``rows_to_read``), before measuring.
 
-The unit index is a position in the sorted listing: a run resumes over the same listing
-(adding or removing files between stop and resume shifts the indices). Pure numpy.
+The unit index is a position in the sorted listing, so a run must resume over the same
+listing: ``listing`` (readers.listing_digest: relative paths, row groups, offsets and row
+counts of the units, not where the data is mounted) is kept in the state and a resume
+over a different listing fails at start (readers.check_listing) instead of leaving out
+the wrong rows. Pure numpy.
 """
 from __future__ import annotations
 
@@ -112,6 +115,7 @@ class DataPosition:
 
     def __init__(self) -> None:
         self.epochs: dict[int, EpochPosition] = {}
+        self.listing = ""  # digest of the unit listing the indices refer to ('' = not recorded)
 
     def epoch(self, epoch: int) -> EpochPosition:
         return self.epochs.setdefault(int(epoch), EpochPosition())
@@ -124,11 +128,15 @@ class DataPosition:
         return ep.contains(positions) if ep is not None else np.zeros(len(positions), dtype=bool)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "epochs": {str(e): ep.state_dict() for e, ep in sorted(self.epochs.items())}}
+        state = {"version": 1, "epochs": {str(e): ep.state_dict() for e, ep in sorted(self.epochs.items())}}
+        if self.listing:
+            state["listing"] = self.listing
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any] | None) -> DataPosition:
         dp = cls()
+        dp.listing = str((state or {}).get("listing") or "")
         for e, ep in ((state or {}).get("epochs") or {}).items():
             dp.epochs[int(e)] = EpochPosition.from_state(ep)
         return dp

@@ -99,7 +99,7 @@ class Runner:
     """Owns the step loop: fetch micro-batches, agree on data, step, log, report, checkpoint."""
 
     def __init__(self, cfg: Config, model, optimizer, scheduler, device, shards: list, rank: int, world: int,
-                 state: dict[str, Any] | None = None, progress=None, planned_samples: int = 0):
+                 state: dict[str, Any] | None = None, progress=None, planned_samples: int = 0, listing: str = ""):
         from ray_mmbatch.train.step import optimizer_step
 
         self.cfg, self.model, self.opt, self.sched = cfg, model, optimizer, scheduler
@@ -108,6 +108,7 @@ class Runner:
         st = state or {}
         self.step = int(st.get("step", 0))
         self.position = DataPosition.from_state(st.get("position"))
+        self.position.listing = listing or self.position.listing  # what the unit indices refer to
         self.new_positions: list[tuple[int, np.ndarray, np.ndarray]] = []  # since the last report
         self.totals = dict(st.get("totals", {"samples": 0, "real_tokens": 0, "padded_tokens": 0,
                                              "target_tokens": 0, "train_s": 0.0}))
@@ -340,7 +341,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if not cfg.train.fsdp:
         model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
     shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
-    Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned).run()
+    Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned,
+           listing=config.get("listing", "")).run()
     if cfg.train.export_hf:
         bare = getattr(model, "module", model)
         # under FSDP the parameters are shards: every rank takes part in gathering the full weights

@@ -134,6 +134,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.readers import check_listing, listing_digest, read_units
     from ray_mmbatch.train.loop import train_loop_per_worker
 
     cfg = configure(cfg)  # a checkpoint's image / text settings, before the data path is built
@@ -146,6 +147,9 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     name = run_name or cfg.train.run_name or out.name
     storage = storage_location(cfg)
+    # the data position counts read units of this listing: a resume over another one fails here
+    listing = listing_digest(read_units(cfg.data.path, cfg.data)[0])
+    check_listing(ckpt.read_latest_position(out, fs.join(storage, name)), listing, cfg.data.path)
 
     progress = ray.data.DataContext.get_current().enable_progress_bars
 
@@ -171,7 +175,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg)},
+        train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg), "listing": listing},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=_worker_resources(cfg)),
         run_config=RunConfig(
