@@ -9,7 +9,7 @@ shard, a LLaVA chunk), its row in that unit (``UNIT_ROW``) and the unit's row co
     in_flight  {unit: bitmap of its rows done}, units partly done          rows / 8 bytes each
 
 so the state grows with the number of units IN FLIGHT (a few windows' worth), never with
-the samples trained: 100 M samples in 50,000 units stopped mid-epoch is ~10 kB
+the samples trained: 100 M samples in 50,000 units stopped mid-epoch (256 units in flight) is ~100 kB
 (benchmarks/bench_resume_state.py). A resumed epoch reads no finished unit and drops the
 done rows of units in flight as they are read (``rows_to_read``), before measuring.
 
