@@ -3,9 +3,11 @@
 (a) Ray, the real pipeline (``pipeline.batch_dataset``: read -> measure -> plan ->
     materialize, deterministic mode) over generated Parquet data, once with
     ``budget.carry = 0`` (each window planned on its own by stateless tasks) and once
-    with the default carry (one CarryPlanStage actor + the readers' end-of-stream row).
-    Reported: batches, fill (real / padded tokens of the batches), wall time, and the
-    check that both runs deliver exactly the same sample ids, each once.
+    with the default carry (one CarryPlanStage actor + the readers' end-of-stream row),
+    and a third time with the payload holders capped at ``--payload-mb`` (rows beyond it
+    spill to disk, payloads.py). Reported: batches, fill (real / padded tokens of the
+    batches), wall time, the holders' peak memory and spilled rows, and the check that
+    every run delivers exactly the same sample ids, each once.
 (b) The ceiling of the one plan actor that carry needs: ``CarryPlanStage`` (and the
     stateless ``plan_rows``) called in-process on numpy batches of the LIGHT rows that
     measure sends on (the measured rows themselves wait in the payload store,
@@ -40,8 +42,10 @@ def _ray_pass(cfg: Config, pad_id: int) -> dict:
 
     set_deterministic(True)
     t0 = time.perf_counter()
-    rows = batch_dataset(cfg, pad_id).take_all()
+    ds, payloads = batch_dataset(cfg, pad_id, return_payloads=True)
+    rows = ds.take_all()
     wall = time.perf_counter() - t0
+    held = payloads.stats()
     real = sum(int(r[S.BATCH_REAL_TOKENS]) for r in rows)
     padded = sum(int(r[S.BATCH_PADDED_TOKENS]) for r in rows)
     ids = [s for r in rows for s in r[S.BATCH_SAMPLE_IDS]]
@@ -49,6 +53,8 @@ def _ray_pass(cfg: Config, pad_id: int) -> dict:
     assert len(ids) == len(set(ids)), "a sample arrived twice"
     return {"batches": sum(1 for r in rows if int(r[S.BATCH_N_SAMPLES])), "fill": real / padded,
             "real_tokens": real, "samples": len(ids), "skipped": len(skipped), "wall_s": wall,
+            "holder_peak_mb": sum(h["peak_bytes"] for h in held) / 2**20,
+            "spilled_rows": sum(h["spilled_rows"] for h in held), "rows_put": sum(h["rows_put"] for h in held),
             "ids": sorted(ids + skipped)}
 
 
@@ -95,6 +101,8 @@ def main(argv=None):
     ap.add_argument("--mode", default="pack", choices=["pack", "pad"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default="")
+    ap.add_argument("--payload-mb", type=float, default=8.0,
+                    help="a third Ray pass with data.payload_memory_mb at this cap (0 = skip it)")
     args = ap.parse_args(argv)
 
     import ray
@@ -119,20 +127,26 @@ def main(argv=None):
         for carry in (0.0, None):
             cfg.budget.carry = carry
             runs["carry 0 (windows on their own)" if carry == 0 else "carry default"] = _ray_pass(cfg, pad_id)
+        if args.payload_mb:  # the holders' memory cap binding: rows beyond it spill to disk
+            cfg.data.payload_memory_mb = args.payload_mb
+            runs[f"carry default, cap {args.payload_mb:g} MB"] = _ray_pass(cfg, pad_id)
+            cfg.data.payload_memory_mb = Config().data.payload_memory_mb
     finally:
         ray.shutdown()
-    a, b = runs.values()
+    a, b = list(runs.values())[:2]
     assert a["ids"] == b["ids"], "carry changed which samples arrive"
+    assert all(r["ids"] == b["ids"] for r in runs.values()), "the payload cap changed which samples arrive"
     cfg.budget.carry = None
     measured = read_measured(data, cfg, load_tokenizer(cfg.text.tokenizer), cfg.budget)
     ceiling = _actor_ceiling(measured, cfg, args.window, args.repeat)
 
     print(f"data {data}: {len(a['ids'])} samples read, mode {args.mode}, max_tokens {args.max_tokens}, "
           f"window {args.window}")
-    print(f"{'(a) Ray pipeline':34s} {'batches':>8s} {'fill':>8s} {'samples':>8s} {'skipped':>8s} {'wall s':>7s}")
+    print(f"{'(a) Ray pipeline':34s} {'batches':>8s} {'fill':>8s} {'samples':>8s} {'skipped':>8s} {'wall s':>7s} "
+          f"{'holders peak MB':>16s} {'spilled rows':>13s}")
     for name, r in runs.items():
         print(f"    {name:30s} {r['batches']:8d} {r['fill']:8.2%} {r['samples']:8d} {r['skipped']:8d} "
-              f"{r['wall_s']:7.1f}")
+              f"{r['wall_s']:7.1f} {r['holder_peak_mb']:16.1f} {r['spilled_rows']:13d}")
     print(f"(b) one process planning windows of {args.window} of light rows (a measured row is "
           f"{ceiling['mb_per_sample'] * 2**20 / 1024:.0f} kB; it waits in the payload store)")
     for name in ("carry", "stateless"):
