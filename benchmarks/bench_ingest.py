@@ -76,7 +76,8 @@ class ParquetMeasureMaterialize:
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
         from ray_mmbatch.data.image import ImageSkip
-        from ray_mmbatch.data.measure import materialize_sample, measure_batch
+        from ray_mmbatch.data.materialize import materialize_sample
+        from ray_mmbatch.data.measure import measure_batch
         from ray_mmbatch.data.sources import parquet_rows
         from ray_mmbatch.data.text import load_tokenizer
 
@@ -135,7 +136,8 @@ def run_ray(data: str, cfg: Config, cpus: int, context: dict | None = None) -> d
     """One inspect_dataset pass on a fresh local cluster, with ``context`` set on the DataContext."""
     import ray
 
-    from ray_mmbatch.pipeline import inspect_dataset, set_deterministic
+    from ray_mmbatch.inspection import inspect_dataset
+    from ray_mmbatch.pipeline import set_deterministic
 
     ray.init("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
@@ -159,6 +161,113 @@ def run_ray(data: str, cfg: Config, cpus: int, context: dict | None = None) -> d
 
 def _worker_ready() -> int:
     return os.getpid()
+
+
+# ------------------------------------------------------------------ training path (--mode train)
+class ShardedTrainingPath:
+    """Iterable Dataset for the DataLoader: worker w of n runs ``local_batches(shard=(w, n))``,
+    the training data path in-process through the same stage objects the Ray graph runs
+    (read units w, w+n, ... -> MeasureStage -> CarryPlanStage windows + end-of-stream flush
+    -> MaterializeStage -> decode), and yields per-batch counts. Differences from the Ray
+    path: each worker plans its own stream (its own windows and carry), so batch boundaries
+    differ; the samples, skips and real tokens must not (checked)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    def __iter__(self):
+        from torch.utils.data import get_worker_info
+
+        from ray_mmbatch.local import local_batches
+
+        info = get_worker_info()
+        shard = (info.id, info.num_workers) if info is not None else (0, 1)
+        for item in local_batches(self.cfg, with_skips=True, shard=shard):
+            if "skipped" in item:
+                yield {"samples": 0, "skipped": len(item["skipped"]), "real_tokens": 0, "batches": 0}
+            else:
+                yield {"samples": len(item["sample_ids"]), "skipped": 0, "real_tokens": int(item["real_tokens"]),
+                       "batches": 1}
+
+
+def _train_totals() -> dict:
+    return {"samples": 0, "skipped": 0, "real_tokens": 0, "batches": 0}
+
+
+def run_dataloader_train(cfg: Config, workers: int) -> dict:
+    from torch.utils.data import DataLoader, IterableDataset
+
+    class _DS(ShardedTrainingPath, IterableDataset):
+        pass
+
+    totals = _train_totals()
+    t0 = time.perf_counter()
+    for item in DataLoader(_DS(cfg), batch_size=None, num_workers=workers, persistent_workers=False):
+        for k in totals:
+            totals[k] += int(item[k])
+    totals["wall_s"] = time.perf_counter() - t0
+    return totals
+
+
+def run_ray_train(cfg: Config, cpus: int) -> dict:
+    """One epoch of ``pipeline.batch_dataset`` (what each Train worker's shard comes from), iterated
+    on the driver one BATCH row at a time with every payload decoded, as the train loop does."""
+    import json as _json
+
+    import ray
+
+    from ray_mmbatch.batching.collate import decode_batch
+    from ray_mmbatch.models import configure, token_ids
+    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+
+    ray.init("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        ready = ray.remote(num_cpus=1)(_worker_ready)
+        ray.get([ready.remote() for _ in range(cpus)])
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        cfg = configure(cfg)
+        pad_id = token_ids(cfg)["pad_id"]
+        set_deterministic(cfg.train.deterministic)
+        totals = _train_totals()
+        t0 = time.perf_counter()
+        for row in batch_dataset(cfg, pad_id).iter_rows():
+            totals["skipped"] += len(_json.loads(row[S.BATCH_SKIPPED]))
+            n = int(row[S.BATCH_N_SAMPLES])
+            if n:
+                decode_batch(bytes(row[S.BATCH_PAYLOAD]))
+                totals["samples"] += n
+                totals["real_tokens"] += int(row[S.BATCH_REAL_TOKENS])
+                totals["batches"] += 1
+        totals["wall_s"] = time.perf_counter() - t0
+    finally:
+        ray.shutdown()
+    return totals
+
+
+def main_train(args, data: str, cfg: Config) -> list[dict]:
+    print(f"training path: DataLoader num_workers={args.loader_workers} vs Ray (num_cpus={args.cpus}, "
+          f"actors/stage<={args.ray_workers}); budget {cfg.budget.mode} {cfg.budget.max_tokens} tokens, "
+          f"window {cfg.budget.window}", flush=True)
+    print(f"{'run':>3}  {'path':<12}{'samples':>8}{'skipped':>8}{'batches':>8}{'wall s':>8}{'samples/s':>11}"
+          f"{'ray/DL':>8}{'load 1m':>8}")
+    runs = []
+    for rep in range(args.repeat):
+        dl = run_dataloader_train(cfg, args.loader_workers)
+        load_dl = os.getloadavg()[0]
+        ry = run_ray_train(cfg, args.cpus)
+        load_ray = os.getloadavg()[0]
+        for k in ("samples", "skipped", "real_tokens"):
+            if dl[k] != ry[k]:
+                raise SystemExit(f"ray and dataloader disagree on {k}: {ry[k]} != {dl[k]}; not the same work")
+        ratio = (ry["samples"] / ry["wall_s"]) / (dl["samples"] / dl["wall_s"])
+        for side, x, load, r in (("dataloader", dl, load_dl, None), ("ray", ry, load_ray, ratio)):
+            print(f"{rep:>3}  {side:<12}{x['samples']:>8}{x['skipped']:>8}{x['batches']:>8}{x['wall_s']:>8.2f}"
+                  f"{x['samples'] / x['wall_s']:>11.1f}{f'{r:.2f}' if r else '':>8}{load:>8.2f}", flush=True)
+        runs.append({"repeat": rep, "dataloader": dict(dl, load1=load_dl), "ray": dict(ry, load1=load_ray),
+                     "ratio": ratio})
+    return runs
 
 
 # ------------------------------------------------------------------ driver
@@ -199,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="Ray passes per repeat (see RAY_VARIANTS)")
     p.add_argument("--only", choices=("ray", "dataloader"), help="run one side only")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument("--mode", choices=("inspect", "train"), default="inspect",
+                   help="inspect: read -> measure -> materialize (inspect_data's path); train: the training "
+                        "data path, read -> measure -> plan -> materialize -> decode, every batch")
     args = p.parse_args(argv)
 
     tmp = None
@@ -215,6 +327,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config()
     cfg.data.path, cfg.data.format = data, "parquet"
     cfg.data.preprocess_workers, cfg.data.measure_batch = args.ray_workers, args.measure_batch
+    if args.mode == "train":
+        runs = main_train(args, data, cfg)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"args": vars(args), "files": len(files), "runs": runs}, indent=1))
+        if tmp:
+            tmp.cleanup()
+        return 0
 
     print(f"{len(files)} Parquet files under {data}, {os.cpu_count()} cores; ray num_cpus={args.cpus}, "
           f"actors/stage<={args.ray_workers}; DataLoader num_workers={args.loader_workers}", flush=True)

@@ -209,7 +209,8 @@ class DataConfig:
     data_resource: str = ""
     """Custom Ray resource that preprocessing stages require (e.g. 'preprocess' on CPU nodes); empty = anywhere."""
     preprocess_workers: int = 2
-    """Upper bound of the actor pools for measure and materialize."""
+    """Actors of each of the measure and materialize pools (1 CPU each, all started with the stream:
+    Ray Data's autoscaler left a pool of few large tasks at one actor), and of payload holders (0 CPU)."""
     measure_batch: int = 64
     """Rows per measure call (tokenizer batch)."""
     payload_memory_mb: float = 2048.0

@@ -21,12 +21,14 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
 
 
-def _raw_rows(cfg: Config, end_marker: bool) -> Iterator[dict[str, Any]]:
+def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1)) -> Iterator[dict[str, Any]]:
     from ray_mmbatch.end_of_stream import with_end_unit
     from ray_mmbatch.readers import read_units, read_with_position
 
     units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
-    units = with_end_unit([dict(u, **{S.UNIT: i}) for i, u in enumerate(units)], end_marker)
+    index, count = shard
+    units = [dict(u, **{S.UNIT: i}) for i, u in enumerate(units) if i % count == index]  # global unit ids
+    units = with_end_unit(units, end_marker)
     for unit in units:
         yield from read_with_position(pa.Table.from_pylist([unit]), read_fn, kwargs).to_pylist()
 
@@ -47,23 +49,27 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {k: [r[k] for r in rows] for k in rows[0]}
 
 
-def _measured_rows(cfg: Config, end_marker: bool, payloads) -> Iterator[dict[str, Any]]:
+def _measured_rows(cfg: Config, end_marker: bool, payloads, shard: tuple[int, int] = (0, 1)) -> Iterator[dict]:
     from ray_mmbatch.stages import MeasureStage
 
-    stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads)
-    for batch in _chunks(_raw_rows(cfg, end_marker), max(1, cfg.data.measure_batch)):
+    stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch)
+    for batch in _chunks(_raw_rows(cfg, end_marker, shard), max(1, cfg.data.measure_batch)):
         out = stage(batch)
         n = len(out[S.SAMPLE_ID])
         yield from ({k: v[i] for k, v in out.items()} for i in range(n))
 
 
 def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
-                  with_skips: bool = False) -> Iterator[dict[str, Any]]:
+                  with_skips: bool = False, shard: tuple[int, int] = (0, 1)) -> Iterator[dict[str, Any]]:
     """Collated batches (as a Train worker receives them) for ``cfg``; ``limit`` stops after that many.
 
     The config goes through ``models.configure`` first (a checkpoint's image / text settings).
     ``with_skips`` also yields ``{"skipped": [[sample_id, reason], ...]}`` records as they occur.
+    ``shard=(i, n)``: only read units i, i+n, i+2n, ... (one DataLoader worker's share; each
+    shard plans its own windows and carry, so batches differ from a single stream's).
     """
+    if not (0 <= shard[0] < shard[1]):
+        raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard!r}")
     from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.payloads import LocalPayloads
@@ -78,7 +84,8 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     payloads = LocalPayloads()
     materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"], payloads)
     done = 0
-    for window in _chunks(_measured_rows(cfg, end_marker=carry, payloads=payloads), max(1, cfg.budget.window)):
+    measured = _measured_rows(cfg, end_marker=carry, payloads=payloads, shard=shard)
+    for window in _chunks(measured, max(1, cfg.budget.window)):
         plans = planner(window) if carry else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):
             one = {k: [v[i]] for k, v in plans.items()}

@@ -50,24 +50,10 @@ import zlib
 from collections import OrderedDict
 from typing import Any
 
-import numpy as np
 import ray
 
 ROW_OVERHEAD = 512  # bytes per held row besides its arrays and image bytes (dict, keys, scalars)
 UNLIMITED = float("inf")
-
-
-def row_nbytes(row: dict[str, Any]) -> int:
-    """Memory a measured row holds: image bytes, numpy arrays, plus a fixed overhead."""
-    n = ROW_OVERHEAD
-    for v in row.values():
-        if isinstance(v, np.ndarray):
-            n += v.nbytes if v.dtype != object else sum(len(x) for x in v if isinstance(x, (bytes, bytearray)))
-        elif isinstance(v, (bytes, bytearray, str)):
-            n += len(v)
-        elif isinstance(v, (list, tuple)):
-            n += sum(len(x) if isinstance(x, (bytes, bytearray)) else getattr(x, "nbytes", 8) for x in v)
-    return n
 
 
 class LocalPayloads:
@@ -90,10 +76,10 @@ class LocalPayloads:
 class _Spilled:
     """Where a spilled row lies: file, offset, length."""
 
-    __slots__ = ("path", "offset", "length")
+    __slots__ = ("path", "offset", "length", "raw")
 
-    def __init__(self, path: str, offset: int, length: int) -> None:
-        self.path, self.offset, self.length = path, offset, length
+    def __init__(self, path: str, offset: int, length: int, raw: bool) -> None:
+        self.path, self.offset, self.length, self.raw = path, offset, length, raw
 
 
 class PayloadLedger:
@@ -123,9 +109,9 @@ class PayloadLedger:
         self.files += 1
         out = []
         with open(path, "wb") as f:
-            for r in rows:
-                data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL)
-                out.append(_Spilled(path, f.tell(), len(data)))
+            for r in rows:  # RayPayloads sends pickled bytes: written as they are
+                data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) if not isinstance(r, bytes) else r
+                out.append(_Spilled(path, f.tell(), len(data), isinstance(r, bytes)))
                 f.write(data)
             self.stats["spilled_bytes"] += f.tell()
         self.file_refs[path] = len(rows)
@@ -169,7 +155,8 @@ class PayloadLedger:
         self.stats["spill_reads"] += 1
         with open(entry.path, "rb") as f:
             f.seek(entry.offset)
-            return pickle.loads(f.read(entry.length))
+            data = f.read(entry.length)
+        return data if entry.raw else pickle.loads(data)
 
     def get(self, keys: list[str]) -> list:
         try:
@@ -255,8 +242,11 @@ class RayPayloads:
         return parts
 
     def put(self, keys: list[str], rows: list[dict[str, Any]]) -> None:
-        sizes = [row_nbytes(r) for r in rows]
-        ray.get([self.holders[h].put.remote([keys[i] for i in idx], [rows[i] for i in idx], [sizes[i] for i in idx])
+        # Rows travel and wait as pickled bytes: the holder never builds the dicts of arrays
+        # (deserializing them cost the holders ~0.7 ms a row), and its memory count is exact.
+        blobs = [pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) for r in rows]
+        sizes = [len(b) + ROW_OVERHEAD for b in blobs]
+        ray.get([self.holders[h].put.remote([keys[i] for i in idx], [blobs[i] for i in idx], [sizes[i] for i in idx])
                  for h, idx in self._split(keys).items()])
 
     def get(self, keys: list[str]) -> list[dict[str, Any]]:
@@ -265,7 +255,7 @@ class RayPayloads:
         got = ray.get([self.holders[h].get.remote([keys[i] for i in idx]) for h, idx in parts.items()])
         for idx, rows in zip(parts.values(), got):
             for i, r in zip(idx, rows):
-                out[i] = r
+                out[i] = pickle.loads(r)
         return out
 
     def done(self, keys: list[str]) -> None:

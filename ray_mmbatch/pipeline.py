@@ -33,6 +33,7 @@ import ray
 from ray_mmbatch.config import Config
 from ray_mmbatch.stages import CarryPlanStage, MaterializeStage, MeasureStage, plan_rows, uses_carry
 
+MATERIALIZE_ROWS = 4  # planned batches per materialize task
 PLAN_CPUS = 0.25  # planning a window takes milliseconds; don't let it hold a whole CPU slot
 
 
@@ -41,6 +42,14 @@ def stage_args(cfg: Config) -> dict[str, Any]:
     if cfg.data.data_resource:
         return {"resources": {cfg.data.data_resource: 0.001}}
     return {}
+
+
+def _pool(cfg: Config):
+    """Measure / materialize actor pools: all ``preprocess_workers`` from the start. Ray Data's
+    autoscaler grows a pool from 1 only once the tasks queue up, which with a few large tasks
+    (a read unit, a window's batches) it rarely sees: the whole pass then ran on one actor."""
+    n = max(1, cfg.data.preprocess_workers)
+    return ray.data.ActorPoolStrategy(min_size=n, max_size=n)
 
 
 def read_shuffle_seed(cfg: Config, epoch: int) -> int | None:
@@ -60,10 +69,10 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
 
     ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=read_shuffle_seed(cfg, epoch), end_marker=end_marker,
                   done=done, listing=listing)
-    return ds.map_batches(
-        MeasureStage, batch_size=cfg.data.measure_batch, batch_format="numpy",
-        fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads),
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
+    return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
+        MeasureStage, batch_size=None, batch_format="numpy",
+        fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch),
+        compute=_pool(cfg),
         **stage_args(cfg),
     )
 
@@ -108,10 +117,14 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
         plans = measured.map_batches(
             plan_rows, batch_size=cfg.budget.window, batch_format="numpy",
             fn_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS, **stage_args(cfg))
+    # A plan task emits one block per window (hundreds of batches); a map task takes whole
+    # blocks, so without this one materialize actor would decode a whole window while the
+    # others idle. Blocks of MATERIALIZE_ROWS plan rows spread it over the pool as it streams.
+    plans = plans.repartition(target_num_rows_per_block=MATERIALIZE_ROWS)
     ds = plans.map_batches(
-        MaterializeStage, batch_size=1, batch_format="numpy",
+        MaterializeStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.budget, pad_id, payloads),
-        compute=ray.data.ActorPoolStrategy(min_size=1, max_size=max(1, cfg.data.preprocess_workers)),
+        compute=_pool(cfg),
         **stage_args(cfg))
     # One batch per block: Train's split hands out whole blocks, so a block holding a
     # window's worth of batches would starve the other ranks (streaming, no barrier).

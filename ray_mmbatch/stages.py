@@ -53,14 +53,28 @@ class MeasureStage:
     """
 
     def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig,
-                 payloads=None):
+                 payloads=None, measure_batch: int = 64):
         from ray_mmbatch.data.text import tokenizer_for
 
         self.image_cfg, self.text_cfg, self.budget_cfg = image_cfg, text_cfg, budget_cfg
-        self.payloads = payloads
+        self.payloads, self.measure_batch = payloads, measure_batch
         self.tok = tokenizer_for(text_cfg)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+        """One read block (batch_size=None: a unit's rows) in tokenizer batches of ``measure_batch``.
+
+        Taking the whole block matters: with batch_size=N, Ray bundles the fused read op's INPUT
+        rows (one per read unit) until it has N, so up to N units ran as one task on one actor.
+        """
+        n = len(next(iter(batch.values()))) if batch else 0
+        step = max(1, int(self.measure_batch))
+        if n <= step:
+            return self._measure(batch)
+        parts = [self._measure({k: v[i:i + step] for k, v in batch.items()}) for i in range(0, n, step)]
+        return {k: np.concatenate([p[k] for p in parts]) if isinstance(parts[0][k], np.ndarray)
+                else [x for p in parts for x in p[k]] for k in parts[0]}
+
+    def _measure(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
 
         measured = measure_batch(batch, self.image_cfg, self.tok, self.text_cfg)
@@ -207,15 +221,17 @@ class MaterializeStage:
             S.BATCH_ID, S.BATCH_SAMPLE_IDS, S.BATCH_PAYLOAD, S.BATCH_REAL_TOKENS, S.BATCH_PADDED_TOKENS,
             S.BATCH_TARGET_TOKENS, S.BATCH_N_SAMPLES, S.BATCH_SKIPPED, S.BATCH_POSITIONS,
             S.BATCH_POSITION_UNIT_ROWS)}
+        keys = [[str(k) for k in batch[PAYLOAD_KEYS][i]] for i in range(len(batch[S.BATCH_ID]))]
+        fetched = iter(self.payloads.get([k for ks in keys for k in ks]))  # one fetch per holder per block
         done: list[str] = []
         for i in range(len(batch[S.BATCH_ID])):
-            keys = [str(k) for k in batch[PAYLOAD_KEYS][i]]
-            row = materialize_plan_row(self.payloads.get(keys), json.loads(str(batch[S.BATCH_SKIPPED][i])),
+            members = [next(fetched) for _ in keys[i]]
+            row = materialize_plan_row(members, json.loads(str(batch[S.BATCH_SKIPPED][i])),
                                        self.image_cfg, self.budget_cfg, self.pad_id)
             row[S.BATCH_ID] = str(batch[S.BATCH_ID][i])
             for k in out:
                 out[k].append(row[k])
-            done += keys
+            done += keys[i]
         self.payloads.done(done)
         return out
 

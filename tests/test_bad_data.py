@@ -363,3 +363,30 @@ def test_webdataset_key_repeated_later_in_one_shard_is_another_sample(tmp_path):
     assert [r[S.SAMPLE_ID] for r in rows] == ["s.tar/a", "s.tar/b", "s.tar/a~2"]
     assert [len(r[S.IMAGES]) for r in rows] == [1, 1, 1] and rows[0][S.IMAGES] != rows[2][S.IMAGES]
     assert count_samples(str(tmp_path), DataConfig()) == 3
+
+
+def test_local_batches_shards_split_the_units_without_loss_or_overlap(tmp_path):
+    """shard=(i, n) (one DataLoader worker's share): the shards' trained and skipped samples are
+    disjoint and together exactly the whole stream's, each shard flushing its own carry."""
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    generate_dataset(str(tmp_path / "d"), 60, "parquet", seed=5, shard_size=12, workers=1, bad_per_kind=1)
+    whole_trained, whole_skipped = trained_and_skipped(tmp_path / "d")
+    cfg = Config()
+    cfg.data = DataConfig(path=str(tmp_path / "d"))
+    cfg.budget.max_tokens, cfg.budget.oversize = 1024, "truncate"
+    parts = []
+    for i in range(3):
+        trained, skipped = [], []
+        for item in local_batches(cfg, with_skips=True, shard=(i, 3)):
+            if "skipped" in item:
+                skipped += [sid for sid, _ in item["skipped"]]
+            else:
+                trained += list(item["sample_ids"])
+        assert trained or skipped, f"shard {i} read nothing"
+        parts.append(trained + skipped)
+    flat = [sid for p in parts for sid in p]
+    assert len(flat) == len(set(flat)), "a sample in two shards"
+    assert sorted(flat) == sorted(whole_trained + list(whole_skipped))
+    with pytest.raises(ValueError, match="shard"):
+        next(local_batches(cfg, shard=(3, 3)))
