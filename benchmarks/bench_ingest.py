@@ -27,6 +27,7 @@ being timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import glob
 import json
@@ -134,25 +135,15 @@ RAY_VARIANTS = {
 
 def run_ray(data: str, cfg: Config, cpus: int, context: dict | None = None) -> dict:
     """One inspect_dataset pass on a fresh local cluster, with ``context`` set on the DataContext."""
-    import ray
 
     from ray_mmbatch.inspection import inspect_dataset
     from ray_mmbatch.pipeline import set_deterministic
 
-    ray.init("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        # start-up, not counted: wait until the worker pool has one live process per CPU
-        ready = ray.remote(num_cpus=1)(_worker_ready)
-        ray.get([ready.remote() for _ in range(cpus)])
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        ctx.print_on_execution_start = False
+    with _local_ray(cpus) as ctx:
         for k, v in (context or {}).items():
             setattr(ctx, k, v)
         set_deterministic(False)
         summary = inspect_dataset(cfg)  # times itself: graph build + the whole pass
-    finally:
-        ray.shutdown()
     return {"samples": summary["samples_read"], "ok": summary["samples_ok"],
             "tokens": int(summary["tokens"].get("sum", 0)), "patches": int(summary["patches"].get("sum", 0)),
             "image_bytes": int(round(summary["image_mb_per_s"] * summary["wall_s"] * 2**20)),
@@ -161,6 +152,24 @@ def run_ray(data: str, cfg: Config, cpus: int, context: dict | None = None) -> d
 
 def _worker_ready() -> int:
     return os.getpid()
+
+
+@contextlib.contextmanager
+def _local_ray(cpus: int):
+    """A fresh local cluster for one pass, its worker pool up before the clock starts (one live
+    process per CPU); yields the DataContext (progress output off); shut down after."""
+    import ray
+
+    ray.init("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        ready = ray.remote(num_cpus=1)(_worker_ready)
+        ray.get([ready.remote() for _ in range(cpus)])
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ctx.print_on_execution_start = False
+        yield ctx
+    finally:
+        ray.shutdown()
 
 
 # ------------------------------------------------------------------ training path (--mode train)
@@ -214,19 +223,11 @@ def run_ray_train(cfg: Config, cpus: int) -> dict:
     on the driver one BATCH row at a time with every payload decoded, as the train loop does."""
     import json as _json
 
-    import ray
-
     from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.pipeline import batch_dataset, set_deterministic
 
-    ray.init("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    try:
-        ready = ray.remote(num_cpus=1)(_worker_ready)
-        ray.get([ready.remote() for _ in range(cpus)])
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        ctx.print_on_execution_start = False
+    with _local_ray(cpus):
         cfg = configure(cfg)
         pad_id = token_ids(cfg)["pad_id"]
         set_deterministic(cfg.train.deterministic)
@@ -241,8 +242,6 @@ def run_ray_train(cfg: Config, cpus: int) -> dict:
                 totals["real_tokens"] += int(row[S.BATCH_REAL_TOKENS])
                 totals["batches"] += 1
         totals["wall_s"] = time.perf_counter() - t0
-    finally:
-        ray.shutdown()
     return totals
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import ray
 
-ROW_OVERHEAD = 512  # bytes per held row besides its arrays and image bytes (dict, keys, scalars)
+ROW_OVERHEAD = 512  # bytes per held row besides its pickled bytes (key, bookkeeping)
 UNLIMITED = float("inf")
 
 
@@ -76,14 +76,18 @@ class LocalPayloads:
 class _Spilled:
     """Where a spilled row lies: file, offset, length."""
 
-    __slots__ = ("path", "offset", "length", "raw")
+    __slots__ = ("path", "offset", "length")
 
-    def __init__(self, path: str, offset: int, length: int, raw: bool) -> None:
-        self.path, self.offset, self.length, self.raw = path, offset, length, raw
+    def __init__(self, path: str, offset: int, length: int) -> None:
+        self.path, self.offset, self.length = path, offset, length
 
 
 class PayloadLedger:
-    """One holder's rows: in memory up to ``cap_bytes``, spilled to ``spill_dir`` beyond (no Ray)."""
+    """One holder's rows: in memory up to ``cap_bytes``, spilled to ``spill_dir`` beyond (no Ray).
+
+    Rows are opaque while held; a row that spills must be ``bytes`` (RayPayloads sends rows
+    pickled), and is written and read back as it is.
+    """
 
     def __init__(self, cap_bytes: float = UNLIMITED, recent: int = 1024, recent_bytes: float = UNLIMITED,
                  spill_dir: str | None = None) -> None:
@@ -109,10 +113,9 @@ class PayloadLedger:
         self.files += 1
         out = []
         with open(path, "wb") as f:
-            for r in rows:  # RayPayloads sends pickled bytes: written as they are
-                data = pickle.dumps(r, protocol=pickle.HIGHEST_PROTOCOL) if not isinstance(r, bytes) else r
-                out.append(_Spilled(path, f.tell(), len(data), isinstance(r, bytes)))
-                f.write(data)
+            for r in rows:
+                out.append(_Spilled(path, f.tell(), len(r)))
+                f.write(r)
             self.stats["spilled_bytes"] += f.tell()
         self.file_refs[path] = len(rows)
         self.stats["spilled_puts"] += 1
@@ -155,8 +158,7 @@ class PayloadLedger:
         self.stats["spill_reads"] += 1
         with open(entry.path, "rb") as f:
             f.seek(entry.offset)
-            data = f.read(entry.length)
-        return data if entry.raw else pickle.loads(data)
+            return f.read(entry.length)
 
     def get(self, keys: list[str]) -> list:
         try:
@@ -183,9 +185,6 @@ class PayloadLedger:
             self.recent_bytes -= b
             self._unref(entry)
 
-    def in_flight(self) -> int:
-        return len(self.rows)
-
     def summary(self) -> dict[str, Any]:
         return dict(self.stats, held_bytes=self.bytes, held_rows=len(self.rows), spill_files=len(self.file_refs),
                     cap_bytes=self.cap if self.cap != UNLIMITED else 0)
@@ -211,9 +210,6 @@ class PayloadHolder:
 
     def done(self, keys: list[str]) -> None:
         self.ledger.done(keys)
-
-    def in_flight(self) -> int:
-        return self.ledger.in_flight()
 
     def stats(self) -> dict[str, Any]:
         return self.ledger.summary()

@@ -90,7 +90,10 @@ def is_complete(directory: str | Path) -> bool:
 
 
 def load_state(directory: str | Path) -> dict[str, Any]:
-    return json.loads((Path(directory) / STATE).read_text())
+    """``state.json`` of a checkpoint folder: a local path or a bucket URI (train.storage)."""
+    from ray_mmbatch.formats import fs
+
+    return json.loads(fs.read_bytes(fs.join(str(directory), STATE)))
 
 
 def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
@@ -129,7 +132,7 @@ def read_latest_position(output_dir: str | Path, run_storage: str | Path | None 
             root = str(run_storage)
             snap = json.loads(fs.read_bytes(fs.join(root, "checkpoint_manager_snapshot.json")))
             name = snap["latest_checkpoint_result"]["checkpoint_dir_name"]
-            return json.loads(fs.read_bytes(fs.join(fs.join(root, name), STATE))).get("position")
+            return load_state(fs.join(root, name)).get("position")
         except (OSError, ValueError, KeyError, TypeError):
             pass
     try:
