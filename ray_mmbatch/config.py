@@ -211,6 +211,15 @@ class DataConfig:
     preprocess_workers: int = 2
     """Actors of each of the measure and materialize pools (1 CPU each, all started with the stream:
     Ray Data's autoscaler left a pool of few large tasks at one actor), and of payload holders (0 CPU)."""
+    shuffle: str = "samples"
+    """Sample order of every epoch, the first included, seeded by (train.seed, epoch): 'samples' (the read
+    units in a seeded order, then a seeded shuffle buffer of shuffle_buffer samples before planning),
+    'units' (the seeded unit order only), 'none' (listing order: for debugging and reproducing).
+    batching/shuffle.py draws it; benchmarks/bench_mixing.py measures it."""
+    shuffle_buffer: int = 16384
+    """Samples in the shuffle buffer of --shuffle samples (light rows in the plan actor, ~250 bytes each;
+    their image bytes wait in the payload holders meanwhile). Mixing spans about this many samples plus the
+    read units around them: raise it for large units or many subsets."""
     measure_batch: int = 64
     """Rows per measure call (tokenizer batch)."""
     payload_memory_mb: float = 2048.0

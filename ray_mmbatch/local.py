@@ -21,13 +21,16 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
 
 
-def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1)) -> Iterator[dict[str, Any]]:
+def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1),
+              epoch: int = 0) -> Iterator[dict[str, Any]]:
     from ray_mmbatch.end_of_stream import with_end_unit
     from ray_mmbatch.readers import read_units, read_with_position
+    from ray_mmbatch.stages import epoch_unit_order
 
     units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
     index, count = shard
-    units = [dict(u, **{S.UNIT: i}) for i, u in enumerate(units) if i % count == index]  # global unit ids
+    order = epoch_unit_order(len(units), cfg.data, cfg.train.seed, epoch)  # the Ray path's unit order
+    units = [dict(units[i], **{S.UNIT: i}) for k, i in enumerate(order) if k % count == index]  # global unit ids
     units = with_end_unit(units, end_marker)
     for unit in units:
         yield from read_with_position(pa.Table.from_pylist([unit]), read_fn, kwargs).to_pylist()
@@ -49,11 +52,12 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
     return {k: [r[k] for r in rows] for k in rows[0]}
 
 
-def _measured_rows(cfg: Config, end_marker: bool, payloads, shard: tuple[int, int] = (0, 1)) -> Iterator[dict]:
+def _measured_rows(cfg: Config, end_marker: bool, payloads, shard: tuple[int, int] = (0, 1),
+                   epoch: int = 0) -> Iterator[dict]:
     from ray_mmbatch.stages import MeasureStage
 
     stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch)
-    for batch in _chunks(_raw_rows(cfg, end_marker, shard), max(1, cfg.data.measure_batch)):
+    for batch in _chunks(_raw_rows(cfg, end_marker, shard, epoch), max(1, cfg.data.measure_batch)):
         out = stage(batch)
         n = len(out[S.SAMPLE_ID])
         yield from ({k: v[i] for k, v in out.items()} for i in range(n))
@@ -65,26 +69,28 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
 
     The config goes through ``models.configure`` first (a checkpoint's image / text settings).
     ``with_skips`` also yields ``{"skipped": [[sample_id, reason], ...]}`` records as they occur.
-    ``shard=(i, n)``: only read units i, i+n, i+2n, ... (one DataLoader worker's share; each
-    shard plans its own windows and carry, so batches differ from a single stream's).
+    ``shard=(i, n)``: only units i, i+n, i+2n, ... of the epoch's unit order (one DataLoader
+    worker's share; each shard shuffles and plans its own stream, so batches differ from a
+    single stream's). Unsharded, the order and batches equal the Ray path's (deterministic mode):
+    the same unit order, shuffle buffer and windows (batching/shuffle.py).
     """
     if not (0 <= shard[0] < shard[1]):
         raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard!r}")
     from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.payloads import LocalPayloads
-    from ray_mmbatch.stages import CarryPlanStage, MaterializeStage, plan_rows, uses_carry
+    from ray_mmbatch.stages import CarryPlanStage, MaterializeStage, plan_rows, shuffle_buffer_size, uses_plan_actor
 
     cfg = configure(copy.deepcopy(cfg))
     if not cfg.data.path:
         raise ValueError("local_batches needs cfg.data.path (a Parquet / WebDataset / LLaVA dataset)")
-    carry = uses_carry(cfg.budget)
+    carry = uses_plan_actor(cfg.budget, cfg.data)
     seed = cfg.train.seed
-    planner = CarryPlanStage(cfg.budget, seed, epoch) if carry else None
+    planner = CarryPlanStage(cfg.budget, seed, epoch, shuffle_buffer_size(cfg.data)) if carry else None
     payloads = LocalPayloads()
     materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"], payloads)
     done = 0
-    measured = _measured_rows(cfg, end_marker=carry, payloads=payloads, shard=shard)
+    measured = _measured_rows(cfg, end_marker=carry, payloads=payloads, shard=shard, epoch=epoch)
     for window in _chunks(measured, max(1, cfg.budget.window)):
         plans = planner(window) if carry else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):

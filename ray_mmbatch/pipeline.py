@@ -2,25 +2,27 @@
 
 ::
 
-    read_raw (readers.py)            RAW rows, bytes only, each with its read position (unit, row);
-                                     + one end-of-stream row when carrying. Resume: units the epoch
+    read_raw (readers.py)            RAW rows, bytes only, each with its read position (unit, row),
+                                     units in the epoch's seeded order (--shuffle); + one end-of-stream
+                                     row when the plan stage shuffles or carries. Resume: units the epoch
                                      finished are not read, done rows of units in flight are dropped
                                      as they are read (data/position.py), so none is measured or decoded
       .map_batches(MeasureStage)     token ids, grids, costs, skip_reason; oversize policy applied.
                                      The measured row (image bytes included) waits in a payload
                                      holder (payloads.py); a LIGHT row goes on: id, costs, read
                                      position (~100 bytes, all Arrow)
-      .map_batches(CarryPlanStage,   one PLAN row per batch (ids, payload keys: Arrow lists); windows
-                   batch_size=W)     of `budget.window` samples, under-filled batches held back into
-                                     the next window (see below). No pixel passes through it
+      .map_batches(CarryPlanStage,   one PLAN row per batch (ids, payload keys: Arrow lists); light rows
+                   batch_size=W)     through a seeded shuffle buffer (batching/shuffle.py), windows of
+                                     `budget.window` samples, under-filled batches held back into the
+                                     next window (see below). No pixel passes through it
       .map_batches(MaterializeStage, one BATCH row per batch: fetch the payloads, decode + resize +
                    batch_size=1)     patchify + collate
       .repartition(1 row per block)  so Train's split can hand batches to ranks one by one
 
 The stage objects and their pure glue live in stages.py (local.py runs the same ones in
 one process); the end-of-stream row in end_of_stream.py; where measured rows wait, in
-payloads.py; the data check (inspect job), in inspection.py. `budget.carry = 0` plans
-every window on its own with a stateless task (plan_rows) and no end row. Fill per
+payloads.py; the data check (inspect job), in inspection.py. `budget.carry = 0` with
+`--shuffle units|none` plans every window on its own with a stateless task (plan_rows) and no end row. Fill per
 window size, with and without carry: benchmarks/bench_packing.py (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
@@ -31,7 +33,15 @@ from typing import Any
 import ray
 
 from ray_mmbatch.config import Config
-from ray_mmbatch.stages import CarryPlanStage, MaterializeStage, MeasureStage, plan_rows, uses_carry
+from ray_mmbatch.stages import (
+    CarryPlanStage,
+    MaterializeStage,
+    MeasureStage,
+    epoch_unit_order,
+    plan_rows,
+    shuffle_buffer_size,
+    uses_plan_actor,
+)
 
 MATERIALIZE_ROWS = 4  # planned batches per materialize task
 PLAN_CPUS = 0.25  # planning a window takes milliseconds; don't let it hold a whole CPU slot
@@ -52,23 +62,20 @@ def _pool(cfg: Config):
     return ray.data.ActorPoolStrategy(min_size=n, max_size=n)
 
 
-def read_shuffle_seed(cfg: Config, epoch: int) -> int | None:
-    """Epochs after the first read their units in a seeded order (readers.read_order)."""
-    return cfg.train.seed + epoch if cfg.train.seed is not None and epoch > 0 else None
-
-
 def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done=None, payloads=None,
                      listing: tuple | None = None):
     """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
 
-    Epochs after the first read their units (row groups / shards / chunks) in a seeded order.
-    ``done`` (data.position.EpochPosition): what this epoch trained already, left out at read.
+    Every epoch reads its units (row groups / shards / chunks) in the order ``data.shuffle`` draws
+    from (train.seed, epoch) (stages.epoch_unit_order). ``done`` (data.position.EpochPosition):
+    what this epoch trained already, left out at read.
     ``payloads``: LIGHT rows out, the measured rows left in that store (see MeasureStage).
     """
-    from ray_mmbatch.readers import read_raw
+    from ray_mmbatch.readers import read_raw, read_units
 
-    ds = read_raw(cfg.data.path, cfg.data, shuffle_seed=read_shuffle_seed(cfg, epoch), end_marker=end_marker,
-                  done=done, listing=listing)
+    listing = listing or read_units(cfg.data.path, cfg.data)
+    order = epoch_unit_order(len(listing[0]), cfg.data, cfg.train.seed, epoch)
+    ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, listing=listing)
     return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
         MeasureStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch),
@@ -84,8 +91,9 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     ``position`` (resume) is a checkpoint's data position (data.position.DataPosition's
     state_dict): what this epoch trained is left out as it is read, so a resumed run
     measures and decodes none of it and re-plans only what is left, whatever window
-    boundaries Ray Data draws. Epoch e reads its units in a seeded order and plans with
-    seeds of its own; batch ids start with ``e{epoch}/``. ``return_payloads``: return
+    boundaries Ray Data draws. Epoch e reads its units in a seeded order, mixes the samples in
+    a seeded shuffle buffer (``data.shuffle``, batching/shuffle.py) and plans with seeds of its
+    own; batch ids start with ``e{epoch}/``. ``return_payloads``: return
     (dataset, the payload store) to read the holders' ``stats()`` after the pass.
     """
     from ray_mmbatch.data.position import DataPosition
@@ -93,7 +101,7 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     from ray_mmbatch.readers import check_listing, listing_digest, read_units
 
     done = DataPosition.from_state(position).epochs.get(epoch)
-    carry = uses_carry(cfg.budget)
+    carry = uses_plan_actor(cfg.budget, cfg.data)
     listing = read_units(cfg.data.path, cfg.data)
     check_listing(position, listing_digest(listing[0]), cfg.data.path)  # the indices must mean the same units
     # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
@@ -102,7 +110,7 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
                            spill_dir=cfg.data.payload_spill_dir or None,
                            **stage_args(cfg))
     measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads, listing=listing)
-    if carry:  # one actor: one carry, fed the windows in stream order
+    if carry:  # one actor: one shuffle buffer and carry, fed the windows in stream order
         with warnings.catch_warnings():
             # Ray Data lets actor tasks run out of order by default; the carry needs windows in
             # the order they were submitted (stream order). Ray 2.60 takes this actor option only
@@ -110,7 +118,8 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
             warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
             plans = measured.map_batches(
                 CarryPlanStage, batch_size=cfg.budget.window, batch_format="numpy",
-                fn_constructor_args=(cfg.budget, cfg.train.seed, epoch), num_cpus=PLAN_CPUS,
+                fn_constructor_args=(cfg.budget, cfg.train.seed, epoch, shuffle_buffer_size(cfg.data)),
+                num_cpus=PLAN_CPUS,
                 compute=ray.data.ActorPoolStrategy(size=1),
                 allow_out_of_order_execution=False, **stage_args(cfg))
     else:

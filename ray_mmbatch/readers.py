@@ -3,8 +3,8 @@
 The Ray shell over formats/ (one module per format behind a registry; paths or URIs of
 any pyarrow filesystem): ``read_units`` lists the read units (row groups, tar shards,
 LLaVA JSON chunks) in sorted order, ``read_raw`` hands them to ray.data.from_items and
-reads each with one map_batches call, so the unit order is ours: ``shuffle_seed``
-permutes the units (epochs after the first), and ``end_marker`` appends the end-of-stream unit
+reads each with one map_batches call, so the unit order is ours: ``order`` lists the
+units in the epoch's order (batching/shuffle.unit_order), and ``end_marker`` appends the end-of-stream unit
 (end_of_stream.py; with DataContext.execution_options.preserve_order its row is the last
 out). With preserve_order the row order is the same every run. Read functions
 return Arrow tables with a fixed schema, so a block of text-only rows still has
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 import zlib
 
 import pyarrow as pa
@@ -47,17 +46,11 @@ def read_unit_table(units: pa.Table, fmt: str, data_cfg: DataConfig) -> pa.Table
     return pa.concat_tables(tables) if tables else rows_to_table([])
 
 
-def read_order(n_units: int, shuffle_seed: int | None) -> list[int]:
-    """The order an epoch reads its units in (listing indices): sorted, or a seeded permutation."""
-    if shuffle_seed is None:
-        return list(range(n_units))
-    return random.Random(shuffle_seed).sample(range(n_units), n_units)
-
-
-def _units_dataset(units: list[dict], blocks: int | None, shuffle_seed: int | None,
+def _units_dataset(units: list[dict], blocks: int | None, order: list[int] | None,
                    end_marker: bool) -> ray.data.Dataset:
-    """Read units -> a from_items Dataset: optionally permuted, optionally + the end-marker unit."""
-    units = with_end_unit([units[i] for i in read_order(len(units), shuffle_seed)], end_marker)
+    """Read units -> a from_items Dataset in ``order`` (listing indices; None = listing order),
+    optionally + the end-marker unit."""
+    units = with_end_unit([units[i] for i in (range(len(units)) if order is None else order)], end_marker)
     return ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
 
 
@@ -124,19 +117,20 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -
 
 
 def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
-             shuffle_seed: int | None = None, end_marker: bool = False, done=None,
+             order: list[int] | None = None, end_marker: bool = False, done=None,
              listing: tuple | None = None) -> ray.data.Dataset:
     """A Dataset of RAW rows (schema.RAW_COLUMNS + READ_POSITION_COLUMNS) for a Parquet / WebDataset / LLaVA path.
 
     ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
-    *.tar -> webdataset; a single file by its extension. ``shuffle_seed`` permutes the read
-    units; ``end_marker`` appends the end-of-stream row (see the module docstring); ``done``
-    (resume) leaves out what an epoch already trained (see read_with_position); ``listing``: what
-    ``read_units`` returned, when the caller listed already.
+    *.tar -> webdataset; a single file by its extension. ``order``: the units' read order
+    (listing indices, batching/shuffle.unit_order; None = listing order); ``end_marker``
+    appends the end-of-stream row (see the module docstring); ``done`` (resume) leaves out what
+    an epoch already trained (see read_with_position); ``listing``: what ``read_units`` returned,
+    when the caller listed already.
     """
     units, read_fn, kwargs = listing or read_units(path, data_cfg)
     units = [dict(u, **{schema.UNIT: i}) for i, u in enumerate(units)]  # index in the sorted listing
-    ds = _units_dataset(units, override_num_blocks, shuffle_seed, end_marker)
+    ds = _units_dataset(units, override_num_blocks, order, end_marker)
     ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done},
                         batch_format="pyarrow", batch_size=1)
     return ds.select_columns(list(schema.RAW_COLUMNS + schema.READ_POSITION_COLUMNS))

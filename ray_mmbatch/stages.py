@@ -5,9 +5,10 @@ pipeline.py wires them into Ray Data; local.py runs the same objects in one proc
     MeasureStage        RAW rows -> token ids, grids, costs, skip_reason; oversize policy applied.
                         With a payload store (payloads.py) each usable measured row (image bytes
                         included) waits there and a LIGHT row goes on: id, costs, read position
-    CarryPlanStage      windows of LIGHT rows -> PLAN rows (ids, payload keys), under-filled
-                        batches held back into the next window (batching/carry.py); the window
-                        holding the end-of-stream row (end_of_stream.py) flushes what is held
+    CarryPlanStage      windows of LIGHT rows -> (seeded shuffle buffer, batching/shuffle.py) ->
+                        PLAN rows (ids, payload keys), under-filled batches held back into the
+                        next window (batching/carry.py); the window holding the end-of-stream
+                        row (end_of_stream.py) flushes what the buffer and the carry hold
     plan_rows           the same for carry 0: each window planned on its own, stateless
     MaterializeStage    PLAN row -> BATCH row: fetch the payloads, decode + resize + patchify,
                         collate, encode; then release the payloads
@@ -27,7 +28,7 @@ import numpy as np
 import ray
 
 from ray_mmbatch import schema as S
-from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
+from ray_mmbatch.config import BudgetConfig, DataConfig, ImageConfig, TextConfig
 
 PAYLOAD_KEYS = "payload_keys"  # PLAN row: list<str>, where each sample's measured row waits (payloads.py)
 LIGHT_COLUMNS = (S.SAMPLE_ID, S.SKIP_REASON, S.TOKENS, S.PATCHES, S.N_IMAGES) + S.READ_POSITION_COLUMNS
@@ -37,6 +38,27 @@ def uses_carry(budget_cfg: BudgetConfig) -> bool:
     from ray_mmbatch.batching.carry import resolve_carry
 
     return resolve_carry(budget_cfg.mode, budget_cfg.carry) > 0
+
+
+def shuffle_buffer_size(data_cfg: DataConfig) -> int:
+    """Samples the plan stage's shuffle buffer holds: data.shuffle_buffer under --shuffle samples, else 0."""
+    from ray_mmbatch.batching.shuffle import check_mode
+
+    if data_cfg.shuffle_buffer < 0:
+        raise ValueError(f"data.shuffle_buffer must be >= 0, got {data_cfg.shuffle_buffer}")
+    return int(data_cfg.shuffle_buffer) if check_mode(data_cfg.shuffle) == "samples" else 0
+
+
+def uses_plan_actor(budget_cfg: BudgetConfig, data_cfg: DataConfig) -> bool:
+    """The plan stage is one stateful actor (with the end-of-stream row) when it carries or shuffles."""
+    return uses_carry(budget_cfg) or shuffle_buffer_size(data_cfg) > 0
+
+
+def epoch_unit_order(n_units: int, data_cfg: DataConfig, seed: int | None, epoch: int) -> list[int]:
+    """The order epoch ``epoch`` reads its units in (batching/shuffle.unit_order under --shuffle)."""
+    from ray_mmbatch.batching.shuffle import unit_order
+
+    return unit_order(n_units, seed or 0, epoch, data_cfg.shuffle)
 
 
 def window_seed(seed: int, epoch: int, window_key: str) -> int:
@@ -162,13 +184,21 @@ def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch:
 
 
 class CarryPlanStage:
-    """The plan stage with carry: ONE actor holds back under-filled batches into the next window.
+    """The stateful plan stage: ONE actor shuffles the stream (a seeded buffer of
+    ``shuffle_buffer`` light rows, batching/shuffle.py) and holds back under-filled batches
+    into the next window (the carry).
 
-    Runs as an actor pool of exactly one actor (one carry, windows in stream order). The
-    readers append an end-of-stream row (schema.END_OF_STREAM_ID) after the last sample;
-    the window holding it flushes the carry. If that row ever arrives early (no
-    preserve_order), CarryPlanner holds nothing after the flush, so later windows are
-    planned on their own: order affects fill, never correctness.
+    Runs as an actor pool of exactly one actor (one buffer and carry, windows in stream
+    order). The readers append an end-of-stream row (schema.END_OF_STREAM_ID) after the
+    last sample; the window holding it flushes the buffer, then the carry. If that row ever
+    arrives early (no preserve_order), the buffer and CarryPlanner hold nothing after the
+    flush, so later windows pass and are planned on their own: order affects fill and
+    mixing, never correctness. Skipped rows never wait in the buffer.
+
+    The actor plans windows of exactly ``budget.window`` rows of the buffer's output, whatever
+    batches Ray hands it (map_batches never forms a batch across bundles, so those are often
+    shorter): with the stream order fixed (deterministic mode), the plans are the same run to
+    run and equal local_batches' (local.py).
 
     An actor restarted by Ray (node or process failure) has lost what it held: it raises on
     its first call instead of finishing an epoch without those samples. Training then fails
@@ -176,12 +206,15 @@ class CarryPlanStage:
     so the held-back samples are planned again.
     """
 
-    def __init__(self, budget_cfg: BudgetConfig, seed: int, epoch: int):
+    def __init__(self, budget_cfg: BudgetConfig, seed: int, epoch: int, shuffle_buffer: int = 0):
         from ray_mmbatch.batching import Budget
         from ray_mmbatch.batching.carry import CarryPlanner
+        from ray_mmbatch.batching.shuffle import ShuffleBuffer
 
-        self.seed, self.epoch = seed, epoch
+        self.seed, self.epoch, self.window = seed, epoch, max(1, budget_cfg.window)
         self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
+        self.buffer = ShuffleBuffer(shuffle_buffer, seed or 0, epoch)
+        self.pending: list[dict] = []  # rows out of the buffer, planned once a whole window is here
         ctx = ray.get_runtime_context() if ray.is_initialized() else None
         self.restarted = bool(ctx is not None and ctx.get_actor_id() and ctx.was_current_actor_reconstructed)
 
@@ -192,9 +225,16 @@ class CarryPlanStage:
                 "gone from this epoch's stream; failing the stream rather than dropping them (a training run "
                 "restores from its checkpoint and re-plans every sample not yet trained)")
         ok, skipped, window_key, end = _split_window(batch)
-        groups = self.planner.feed(ok, *_costs(ok), seed=window_seed(self.seed, self.epoch, window_key))
+        self.pending += self.buffer.push(ok, [_position(r)[0] for r in ok])
         if end:
-            groups += self.planner.flush(seed=window_seed(self.seed, self.epoch, window_key + "/end"))
+            self.pending += self.buffer.flush()
+        groups: list[list[dict]] = []
+        while len(self.pending) >= self.window or (end and self.pending):
+            part, self.pending = self.pending[:self.window], self.pending[self.window:]
+            key = str(part[0][S.SAMPLE_ID])  # a function of the stream, not of Ray's batch cuts
+            groups += self.planner.feed(part, *_costs(part), seed=window_seed(self.seed, self.epoch, key))
+        if end:
+            groups += self.planner.flush(seed=window_seed(self.seed, self.epoch, "end"))
         return _plan_output(groups, skipped, self.epoch, window_key)
 
 
