@@ -15,8 +15,15 @@ interleave them), the rest not started. Reported:
              (``--report-samples``), all-gathered as int64 (8 bytes + unit rows 8 bytes each),
              and the time to apply it (DataPosition.add)
 
+The units in flight follow the epoch's shuffle (batching/shuffle.py): with the seeded
+swap buffer of ``--buffer`` rows (the default data.shuffle_buffer) a unit is in flight
+from its first row out of the buffer to its last, so their number is measured by pushing
+a stream of units through the real ShuffleBuffer and counting, at the stop, the units with
+rows both out and still held (plus the unit being read, plus ``--window`` rows planned
+ahead). ``--in-flight N`` sets the count instead.
+
     python benchmarks/bench_resume_state.py [--samples 100000000] [--units 50000]
-        [--in-flight 256] [--report-samples 4096]
+        [--buffer 16384] [--in-flight N] [--report-samples 4096]
 """
 from __future__ import annotations
 
@@ -54,15 +61,35 @@ def simulate(samples: int, units: int, in_flight: int, seed: int = 0) -> tuple[D
     return dp, order, rows
 
 
+def units_in_flight(rows: int, buffer: int, window: int = 2048, seed: int = 0) -> int:
+    """Units partly trained at a stop mid-epoch under the shuffle buffer (see the module header)."""
+    from ray_mmbatch.batching.shuffle import ShuffleBuffer
+
+    units = max(8, 3 * (buffer + window) // rows + 8) * 4  # enough stream for the buffer to be in steady state
+    stream = np.repeat(np.arange(units), rows).tolist()
+    positions = (np.arange(len(stream)) + 1).tolist()
+    b = ShuffleBuffer(buffer, seed, 0)
+    out, held = b.push(stream, positions), b.items
+    trained, planned = set(out[:len(out) - window]), set(out[len(out) - window:])  # window rows planned ahead
+    return len((trained & (set(held) | planned)) | {stream[-1]})
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--samples", type=int, default=100_000_000)
     ap.add_argument("--units", type=int, default=50_000)
-    ap.add_argument("--in-flight", type=int, default=256)
+    ap.add_argument("--buffer", type=int, default=None, help="shuffle buffer rows (default: data.shuffle_buffer)")
+    ap.add_argument("--in-flight", type=int, default=None, help="units in flight (default: measured for --buffer)")
     ap.add_argument("--report-samples", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
 
+    if args.buffer is None:
+        from ray_mmbatch.config import DataConfig
+
+        args.buffer = DataConfig().shuffle_buffer
+    if args.in_flight is None:
+        args.in_flight = units_in_flight(args.samples // args.units, args.buffer)
     dp, order, rows = simulate(args.samples, args.units, args.in_flight)
     # a block of one unit as the reader has it before the filter (ids and positions only:
     # filtering image bytes costs the same per kept byte with or without this state)
@@ -102,7 +129,8 @@ def main(argv=None):
         best["apply"] = min(best["apply"], time.perf_counter() - t0)
 
     print(f"simulated epoch: {args.samples:,} samples in {args.units:,} units of {rows} rows, stopped mid-epoch "
-          f"({args.units // 2:,} units finished, {args.in_flight} in flight, {trained:,} samples trained)")
+          f"({args.units // 2:,} units finished, {args.in_flight} in flight under a shuffle buffer of "
+          f"{args.buffer:,} rows, {trained:,} samples trained)")
     print(f"  state.json            {size / 1024:10.1f} kB")
     print(f"  checkpoint write      {best['write'] * 1e3:10.1f} ms   (state_dict + JSON + atomic write, best of "
           f"{args.repeat})")

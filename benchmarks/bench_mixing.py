@@ -1,0 +1,165 @@
+"""How well mixed the training order is, and what mixing costs (batching/shuffle.py).
+
+A dataset laid out as HF / LLaVA-OneVision sets are: ``--subsets`` folders of WebDataset
+shards, one folder per subset, sorted names (``sub-00`` ... ``sub-15``). Each variant runs one
+epoch through the real pipeline (``pipeline.batch_dataset`` on a local Ray cluster,
+deterministic mode) and takes the order in which the batches deliver the samples (batch
+after batch, sample after sample). A sample's subset is the folder of its read unit. Reported:
+
+  rank_corr   Spearman's rho between a sample's listing position and its training position
+              (1 = file order, 0 = mixed; target |rho| <= 0.05)
+  worst_tv    the epoch cut into 20 parts in training order: the largest total-variation
+              distance between a part's subset mix and the whole epoch's (target within
+              1.5x a random permutation's)
+  samples/s   samples delivered per second of the whole pass (graph build included)
+  holder_mb   the payload holders' peak memory (measured rows waiting for materialize)
+
+Variants: ``none`` (file order), ``units`` (seeded unit order), ``samples`` (units + the
+default buffer, and a buffer of ``--small-buffer``), epoch 1 of the default, and two
+references computed on the same samples without Ray: a uniformly random permutation (the
+floor) and a plain shuffle buffer of the default size over file order (what a
+``local_shuffle_buffer_size`` over unshuffled files gives).
+
+    python benchmarks/bench_mixing.py [--subsets 16] [--per-subset 400] [--shard-size 50]
+        [--cpus 4] [--small-buffer 1024] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ray_mmbatch import schema as S  # noqa: E402
+from ray_mmbatch.batching.mixing import order_figures  # noqa: E402
+from ray_mmbatch.batching.shuffle import ShuffleBuffer  # noqa: E402
+from ray_mmbatch.config import Config  # noqa: E402
+from ray_mmbatch.data.position import ROW_BITS  # noqa: E402
+
+
+def make_dataset(root: str, subsets: int, per_subset: int, shard_size: int) -> str:
+    """``subsets`` sorted folders of WebDataset shards (made once per shape)."""
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    path = os.path.join(root, f"mix-{subsets}x{per_subset}-{shard_size}")
+    if not os.path.exists(os.path.join(path, "done")):
+        for k in range(subsets):
+            generate_dataset(os.path.join(path, f"sub-{k:02d}"), per_subset, "webdataset", seed=k,
+                             shard_size=shard_size, workers=1)
+        Path(path, "done").write_text("")
+    return path
+
+
+def subset_of_units(cfg: Config) -> tuple[list[int], list[str]]:
+    """(subset index per read unit in the listing, subset names)."""
+    from ray_mmbatch.readers import read_units
+
+    units = read_units(cfg.data.path, cfg.data)[0]
+    names = sorted({u["rel"].split("/")[0] for u in units})
+    return [names.index(u["rel"].split("/")[0]) for u in units], names
+
+
+def one_pass(cfg: Config, pad_id: int, epoch: int = 0) -> dict:
+    """One epoch through the pipeline: training order as (listing position, unit), speed, holder peak."""
+    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+
+    set_deterministic(True)
+    t0 = time.perf_counter()
+    ds, payloads = batch_dataset(cfg, pad_id, epoch=epoch, return_payloads=True)
+    positions: list[int] = []
+    for row in ds.iter_rows():
+        positions += [int(p) for p in row[S.BATCH_POSITIONS][:int(row[S.BATCH_N_SAMPLES])]]
+    wall = time.perf_counter() - t0
+    held = payloads.stats()
+    return {"positions": np.asarray(positions, dtype=np.int64), "wall_s": wall,
+            "samples_per_s": len(positions) / wall,
+            "holder_peak_mb": sum(s["peak_bytes"] for s in held) / 2**20}
+
+
+def figures(positions: np.ndarray, unit_subset: np.ndarray) -> dict:
+    order = np.argsort(np.argsort(positions, kind="stable"), kind="stable")  # listing rank of each sample
+    return order_figures(order, unit_subset[positions >> ROW_BITS])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--subsets", type=int, default=16)
+    ap.add_argument("--per-subset", type=int, default=400)
+    ap.add_argument("--shard-size", type=int, default=50, help="samples per tar shard (the read unit)")
+    ap.add_argument("--cpus", type=int, default=4)
+    ap.add_argument("--small-buffer", type=int, default=1024)
+    ap.add_argument("--data-root", default=os.path.join(tempfile.gettempdir(), "ray_mmbatch_bench_mixing"))
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+
+    import ray
+
+    from ray_mmbatch.models import configure
+    from ray_mmbatch.train.trainer import tokenizer_ids
+
+    path = make_dataset(args.data_root, args.subsets, args.per_subset, args.shard_size)
+    base = Config()
+    base.data.path = path
+    base.budget.mode, base.budget.max_tokens = "pack", 4096
+    base = configure(base)
+    pad_id = tokenizer_ids(base)["pad_id"]
+    unit_subset, names = subset_of_units(base)
+    unit_subset = np.asarray(unit_subset)
+    default_buffer = base.data.shuffle_buffer
+
+    ray.init("local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
+    variants = [("none", "none", 0, 0), ("units", "units", 0, 0),
+                (f"samples, buffer {default_buffer} (default)", "samples", default_buffer, 0),
+                (f"samples, buffer {default_buffer}, epoch 1", "samples", default_buffer, 1),
+                (f"samples, buffer {args.small_buffer}", "samples", args.small_buffer, 0)]
+    results = []
+    all_positions = None
+    try:
+        one_pass(base, pad_id)  # warm-up: actor start-up, tokenizer files in the page cache
+        for label, mode, buffer, epoch in variants:
+            cfg = copy.deepcopy(base)
+            cfg.data.shuffle, cfg.data.shuffle_buffer = mode, buffer or base.data.shuffle_buffer
+            r = one_pass(cfg, pad_id, epoch)
+            if all_positions is None:
+                all_positions = np.sort(r["positions"])
+            assert np.array_equal(np.sort(r["positions"]), all_positions), f"{label}: samples differ"
+            results.append(dict(variant=label, samples=len(r["positions"]), **figures(r["positions"], unit_subset),
+                                samples_per_s=r["samples_per_s"], holder_peak_mb=r["holder_peak_mb"]))
+    finally:
+        ray.shutdown()
+
+    rng = np.random.default_rng(0)
+    floor = rng.permutation(all_positions)
+    results.append(dict(variant="random permutation (floor, no Ray)", samples=len(floor),
+                        **figures(floor, unit_subset)))
+    plain = ShuffleBuffer(default_buffer, seed=0, epoch=0)
+    stream = all_positions.tolist()
+    plain_order = np.asarray(plain.push(stream, stream) + plain.flush(), dtype=np.int64)
+    results.append(dict(variant=f"plain buffer {default_buffer} over file order (no Ray)", samples=len(plain_order),
+                        **figures(plain_order, unit_subset)))
+
+    units = len(unit_subset)
+    print(f"{args.subsets} subsets x {args.per_subset} samples, {units} read units of {args.shard_size}, "
+          f"{args.cpus} CPUs, pack 4096")
+    print(f"{'variant':<48} {'rank_corr':>9} {'worst_tv':>8} {'samples/s':>9} {'holder_mb':>9}")
+    for r in results:
+        sps = f"{r['samples_per_s']:9.1f}" if "samples_per_s" in r else f"{'-':>9}"
+        mb = f"{r['holder_peak_mb']:9.1f}" if "holder_peak_mb" in r else f"{'-':>9}"
+        print(f"{r['variant']:<48} {r['rank_correlation']:9.3f} {r['worst_part_distance']:8.3f} {sps} {mb}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "subsets": names, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
