@@ -21,7 +21,7 @@ floor) and a plain shuffle buffer of the default size over file order (what a
 ``local_shuffle_buffer_size`` over unshuffled files gives).
 
     python benchmarks/bench_mixing.py [--subsets 16] [--per-subset 400] [--shard-size 50]
-        [--cpus 4] [--small-buffer 1024] [--json PATH]
+        [--cpus 6] [--small-buffer 1024] [--json PATH]
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def main(argv=None):
     ap.add_argument("--subsets", type=int, default=16)
     ap.add_argument("--per-subset", type=int, default=400)
     ap.add_argument("--shard-size", type=int, default=50, help="samples per tar shard (the read unit)")
-    ap.add_argument("--cpus", type=int, default=4)
+    ap.add_argument("--cpus", type=int, default=6, help="logical CPUs (a local training run's data CPUs)")
     ap.add_argument("--small-buffer", type=int, default=1024)
     ap.add_argument("--data-root", default=os.path.join(tempfile.gettempdir(), "ray_mmbatch_bench_mixing"))
     ap.add_argument("--json", default="")
@@ -143,11 +143,12 @@ def main(argv=None):
     floor = rng.permutation(all_positions)
     results.append(dict(variant="random permutation (floor, no Ray)", samples=len(floor),
                         **figures(floor, unit_subset)))
-    plain = ShuffleBuffer(default_buffer, seed=0, epoch=0)
     stream = all_positions.tolist()
-    plain_order = np.asarray(plain.push(stream, stream) + plain.flush(), dtype=np.int64)
-    results.append(dict(variant=f"plain buffer {default_buffer} over file order (no Ray)", samples=len(plain_order),
-                        **figures(plain_order, unit_subset)))
+    for size in (default_buffer, args.small_buffer):
+        plain = ShuffleBuffer(size, seed=0, epoch=0)
+        plain_order = np.asarray(plain.push(stream, stream) + plain.flush(), dtype=np.int64)
+        results.append(dict(variant=f"plain buffer {size} over file order (no Ray)", samples=len(plain_order),
+                            **figures(plain_order, unit_subset)))
 
     units = len(unit_subset)
     print(f"{args.subsets} subsets x {args.per_subset} samples, {units} read units of {args.shard_size}, "

@@ -208,9 +208,11 @@ class DataConfig:
     """Samples generated when no dataset is given."""
     data_resource: str = ""
     """Custom Ray resource that preprocessing stages require (e.g. 'preprocess' on CPU nodes); empty = anywhere."""
-    preprocess_workers: int = 2
-    """Actors of each of the measure and materialize pools (1 CPU each, all started with the stream:
-    Ray Data's autoscaler left a pool of few large tasks at one actor), and of payload holders (0 CPU)."""
+    preprocess_workers: int | None = None
+    """Actors of each of the measure and materialize pools (1 CPU each); None / 'auto' = sized from the
+    cluster: the pools start at 2 and may grow to the CPU slots the nodes offering --data-resource have (or
+    the whole cluster's less the Train workers'), measure ~1/5 and materialize the rest (pools.py). A number
+    pins both pools at that size; a run whose pools cannot be placed stops at start saying why."""
     shuffle: str = "samples"
     """Sample order of every epoch, the first included, seeded by (train.seed, epoch): 'samples' (the read
     units in a seeded order, then a seeded shuffle buffer of shuffle_buffer samples before planning),
@@ -256,7 +258,13 @@ class Config:
         return dataclasses.asdict(self)
 
 
+#: Fields where None means "auto" and the word auto sets it back.
+AUTO_FIELDS = {"data.preprocess_workers"}
+
+
 def _coerce(value: Any, current: Any, name: str) -> Any:
+    if name in AUTO_FIELDS and (value is None or (isinstance(value, str) and value.lower() in ("auto", "none"))):
+        return None
     if isinstance(current, bool):
         if isinstance(value, str):
             if value.lower() in ("1", "true", "yes", "on"):

@@ -97,8 +97,9 @@ def image_bytes_per_row(images) -> np.ndarray:
 
 
 def inspect_workers(cfg: Config) -> int:
-    """Actors for the data check: data.preprocess_workers, at most the cluster's CPUs (one process per core)."""
-    workers = max(1, cfg.data.preprocess_workers)
+    """Actors for the data check: data.preprocess_workers (auto: 2), at most the cluster's CPUs (one process
+    per core)."""
+    workers = max(1, cfg.data.preprocess_workers or 2)
     if ray.is_initialized():  # else Ray Data starts a local cluster of this machine's cores
         return max(1, min(workers, int(ray.cluster_resources().get("CPU", 1))))
     return workers

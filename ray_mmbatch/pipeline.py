@@ -33,6 +33,7 @@ from typing import Any
 import ray
 
 from ray_mmbatch.config import Config
+from ray_mmbatch.pools import PLAN_CPUS
 from ray_mmbatch.stages import (
     CarryPlanStage,
     MaterializeStage,
@@ -44,7 +45,6 @@ from ray_mmbatch.stages import (
 )
 
 MATERIALIZE_ROWS = 4  # planned batches per materialize task
-PLAN_CPUS = 0.25  # planning a window takes milliseconds; don't let it hold a whole CPU slot
 
 
 def stage_args(cfg: Config) -> dict[str, Any]:
@@ -54,16 +54,23 @@ def stage_args(cfg: Config) -> dict[str, Any]:
     return {}
 
 
-def _pool(cfg: Config):
-    """Measure / materialize actor pools: all ``preprocess_workers`` from the start. Ray Data's
-    autoscaler grows a pool from 1 only once the tasks queue up, which with a few large tasks
-    (a read unit, a window's batches) it rarely sees: the whole pass then ran on one actor."""
-    n = max(1, cfg.data.preprocess_workers)
-    return ray.data.ActorPoolStrategy(min_size=n, max_size=n)
+def _pool(size: tuple[int, int]):
+    """An actor pool of (min, max) actors (pools.py sizes them from the cluster). The pools start
+    at min, not 1: Ray Data's autoscaler grows a pool only once tasks queue up, which with a few
+    large tasks (a read unit, a window's batches) it rarely saw: the whole pass ran on one actor."""
+    return ray.data.ActorPoolStrategy(min_size=size[0], max_size=size[1])
+
+
+def pools_for(cfg: Config):
+    """The pool sizes for the connected cluster (pools.cluster_pools: ResourceError when they cannot
+    be placed); without a running Ray, the auto sizes of an empty cluster."""
+    from ray_mmbatch.pools import cluster_pools, pool_sizes
+
+    return cluster_pools(cfg) if ray.is_initialized() else pool_sizes(cfg, [])
 
 
 def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done=None, payloads=None,
-                     listing: tuple | None = None):
+                     listing: tuple | None = None, pools=None):
     """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
 
     Every epoch reads its units (row groups / shards / chunks) in the order ``data.shuffle`` draws
@@ -79,7 +86,7 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
         MeasureStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch),
-        compute=_pool(cfg),
+        compute=_pool((pools or pools_for(cfg)).measure),
         **stage_args(cfg),
     )
 
@@ -105,11 +112,13 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     listing = read_units(cfg.data.path, cfg.data)
     check_listing(position, listing_digest(listing[0]), cfg.data.path)  # the indices must mean the same units
     # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
-    payloads = RayPayloads(holders=max(1, cfg.data.preprocess_workers), recent=max(1024, cfg.budget.window),
+    pools = pools_for(cfg)
+    payloads = RayPayloads(holders=max(1, pools.measure[1]), recent=max(1024, cfg.budget.window),
                            cap_bytes=cfg.data.payload_memory_mb * 2**20,
                            spill_dir=cfg.data.payload_spill_dir or None,
                            **stage_args(cfg))
-    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads, listing=listing)
+    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads, listing=listing,
+                                pools=pools)
     if carry:  # one actor: one shuffle buffer and carry, fed the windows in stream order
         with warnings.catch_warnings():
             # Ray Data lets actor tasks run out of order by default; the carry needs windows in
@@ -133,7 +142,7 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     ds = plans.map_batches(
         MaterializeStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.budget, pad_id, payloads),
-        compute=_pool(cfg),
+        compute=_pool(pools.materialize),
         **stage_args(cfg))
     # One batch per block: Train's split hands out whole blocks, so a block holding a
     # window's worth of batches would starve the other ranks (streaming, no barrier).

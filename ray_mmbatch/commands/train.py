@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     cfg = config_from_args(args)
     ensure_demo_data(cfg)
     from ray_mmbatch.guards import TooManySkipped
+    from ray_mmbatch.pools import ResourceError
     from ray_mmbatch.preflight import PreflightError, preflight
 
     try:
@@ -63,6 +64,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except TooManySkipped as e:
         print(f"[train] error: {e}", file=sys.stderr, flush=True)
         return 3
+    except ResourceError as e:  # raised before any stream starts (pools.py)
+        print(f"[train] error: {e}", file=sys.stderr, flush=True)
+        return 2
     except Exception as e:  # the traceback follows; say first where to look further
         print(f"[train] failed: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}\n"
               f"[train] Ray's logs: /tmp/ray/session_latest/logs (on a cluster, the head node's)",

@@ -78,7 +78,7 @@ def connect(num_cpus: int | None = None) -> None:
         # Actor pools hold their CPU slots for the whole run; with only as many slots as
         # cores (2 here) they can leave the read, a Train worker or a Tune trial no slot
         # and the stream stalls. Logical slots over the core count only let the stages
-        # interleave (the pools are capped by data.preprocess_workers anyway).
+        # interleave (the pools are sized from the slots, pools.py).
         ray.init("local", num_cpus=max(num_cpus or 0, os.cpu_count() or 2, 8), include_dashboard=False, **kw)
     # progress bars only for a person at a terminal; logs stay readable
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
@@ -224,9 +224,14 @@ def run_training(cfg: Config) -> dict[str, Any]:
     t0 = time.time()
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
     from ray_mmbatch.guards import STOPPED_FILE, TooManySkipped
+    from ray_mmbatch.pipeline import pools_for
 
     stopped = Path(cfg.train.output_dir) / STOPPED_FILE
     stopped.unlink(missing_ok=True)  # from an earlier run in this dir
+    sizes = pools_for(cfg)  # ResourceError now, not a stream waiting forever for slots
+    print(f"[ray_mmbatch] preprocessing: measure {sizes.measure[0]}-{sizes.measure[1]}, materialize "
+          f"{sizes.materialize[0]}-{sizes.materialize[1]} actors of {sizes.slots:g} CPU slots "
+          f"({'auto' if sizes.auto else '--preprocess-workers'})", flush=True)
     result = build_trainer(cfg).fit()
     out = Path(cfg.train.output_dir)
     skipped = _merge_rank_files(out)

@@ -1,0 +1,32 @@
+"""A real 3-node Ray cluster on this machine (ray.cluster_utils.Cluster, in a child process so the
+session's shared local cluster is untouched): the auto-sized pools grow on the data node, stay on
+it, deliver every sample once, and pools pinned larger than the data node fail at once."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.ray
+
+CHILD = Path(__file__).parent / "multinode" / "pools_grow.py"
+
+
+def test_auto_pools_grow_on_the_data_node_and_pinned_pools_that_cannot_fit_fail_fast(tmp_path):
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    generate_dataset(str(tmp_path / "data"), 600, "parquet", seed=1, shard_size=50, workers=1)
+    proc = subprocess.run([sys.executable, str(CHILD), str(tmp_path / "data"), "8"], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).parents[1])
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    assert out["sizes"] == {"measure": [2, 2], "materialize": [2, 4], "slots": 8.0}
+    assert out["samples"] == out["unique"] == 600
+    assert 3 <= out["peak"]["materialize"] <= 4, out  # grew past its start of 2, never past the data node
+    assert out["peak"]["off_data_node"] == 0, "preprocessing actors left the data node"
+    assert "needs 16.25 CPU slots" in out["pinned_error"] and "--preprocess-workers" in out["pinned_error"]
+    assert out["pinned_error_s"] < 1.0

@@ -1,0 +1,76 @@
+"""Pool sizes from the cluster and the resource pre-flight (pools.py), on node lists as ray.nodes() gives them."""
+from __future__ import annotations
+
+import pytest
+
+from ray_mmbatch.config import Config, apply_overrides
+from ray_mmbatch.pools import ResourceError, alive_nodes, check_fits, pool_sizes
+
+
+def _nodes(*specs) -> list[dict]:
+    """ray.nodes()-shaped entries: (address, resources, alive)."""
+    return alive_nodes([{"NodeID": f"{i:02d}" * 14, "NodeManagerAddress": a, "Resources": r, "Alive": alive}
+                        for i, (a, r, alive) in enumerate(specs)])
+
+
+HEAD = ("10.0.0.1", {"CPU": 0.0}, True)
+
+
+def _cfg(**data) -> Config:
+    cfg = Config()
+    cfg.train.num_workers = 2
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+def test_auto_pools_grow_with_the_data_nodes_and_leave_dead_nodes_out():
+    cfg = _cfg(data_resource="preprocess")
+    sizes = {}
+    for cpus in (4, 8, 16):
+        nodes = _nodes(HEAD, ("10.0.0.2", {"CPU": float(cpus), "preprocess": float(cpus)}, True),
+                       ("10.0.0.3", {"CPU": 4.0}, True),  # the train node: not for preprocessing
+                       ("10.0.0.4", {"CPU": 64.0, "preprocess": 64.0}, False))  # gone
+        s = pool_sizes(cfg, nodes)
+        check_fits(cfg, nodes, s)
+        assert s.auto and s.slots == cpus
+        assert s.measure[1] + s.materialize[1] <= max(2, cpus - 1)  # read + plan keep a slot
+        assert s.materialize[1] >= s.measure[1]  # decode is most of the work
+        sizes[cpus] = s
+    assert sizes[4].measure[0] == sizes[4].materialize[0] == 1
+    assert sizes[16].materialize[1] > sizes[8].materialize[1] > sizes[4].materialize[1]
+    assert sizes[16].measure == (2, 3) and sizes[16].materialize == (2, 11)
+
+
+def test_without_a_data_resource_the_train_workers_share_is_left_out():
+    nodes = _nodes(("n", {"CPU": 8.0}, True))
+    s = pool_sizes(_cfg(), nodes)
+    assert s.slots == 6 and s.measure == (2, 2) and s.materialize == (2, 2)
+
+
+def test_explicit_pools_that_cannot_be_placed_fail_naming_need_offer_and_flag():
+    cfg = _cfg(data_resource="preprocess", preprocess_workers=2)
+    nodes = _nodes(HEAD, ("10.0.0.2", {"CPU": 3.0, "preprocess": 3.0}, True), ("10.0.0.3", {"CPU": 2.0}, True))
+    sizes = pool_sizes(cfg, nodes)
+    assert not sizes.auto and sizes.measure == sizes.materialize == (2, 2)
+    with pytest.raises(ResourceError) as e:
+        check_fits(cfg, nodes, sizes)
+    msg = str(e.value)
+    assert "4.25 CPU slots" in msg and "offers 3" in msg and "10.0.0.2 (01010101): CPU 3, preprocess 3" in msg
+    assert "--preprocess-workers" in msg
+    check_fits(cfg, nodes, pool_sizes(_cfg(data_resource="preprocess"), nodes))  # auto fits: 1 + 1
+
+
+def test_train_workers_that_cannot_be_placed_fail():
+    cfg = _cfg()
+    cfg.train.use_gpu, cfg.train.num_workers = True, 4
+    nodes = _nodes(("gpu", {"CPU": 16.0, "GPU": 2.0}, True))
+    with pytest.raises(ResourceError, match="4 Train workers need 1 CPU and 1 GPU each; only 2 fit"):
+        check_fits(cfg, nodes, pool_sizes(cfg, nodes))
+
+
+def test_auto_is_the_default_and_a_number_pins():
+    cfg = Config()
+    assert cfg.data.preprocess_workers is None
+    assert apply_overrides(cfg, {"data.preprocess_workers": "6"}).data.preprocess_workers == 6
+    assert apply_overrides(cfg, {"data.preprocess_workers": "auto"}).data.preprocess_workers is None
