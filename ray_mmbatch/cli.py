@@ -22,6 +22,7 @@ FLAGS: dict[str, str] = {
     "--image-column": "data.image_column", "--text-column": "data.text_column", "--id-column": "data.id_column",
     "--data-resource": "data.data_resource", "--preprocess-workers": "data.preprocess_workers",
     "--demo-samples": "data.demo_samples", "--shuffle": "data.shuffle", "--shuffle-buffer": "data.shuffle_buffer",
+    "--stall-timeout": "data.stall_timeout_s",
     "--max-skip-fraction": "data.max_skip_fraction",
     "--tokenizer": "text.tokenizer",
     "--mode": "budget.mode", "--max-tokens": "budget.max_tokens", "--max-patches": "budget.max_patches",

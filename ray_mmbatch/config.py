@@ -222,6 +222,9 @@ class DataConfig:
     """Samples in the shuffle buffer of --shuffle samples (light rows in the plan actor, ~250 bytes each;
     their image bytes wait in the payload holders meanwhile). Mixing spans about this many samples plus the
     read units around them: raise it for large units or many subsets."""
+    stall_timeout_s: float = 1800.0
+    """Stop the run when a Train worker gets no batch for this many seconds (train/stall.py): the message names
+    the actors Ray cannot place and the free resources. 0 = wait forever."""
     measure_batch: int = 64
     """Rows per measure call (tokenizer batch)."""
     payload_memory_mb: float = 2048.0

@@ -124,9 +124,11 @@ class Runner:
         self.window: dict[str, float] = {}
 
     # -- data ----------------------------------------------------------------
-    @staticmethod
-    def _rows(shard) -> Iterator[dict[str, Any]]:
-        for row in shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2):
+    def _rows(self, shard) -> Iterator[dict[str, Any]]:
+        from ray_mmbatch.train.stall import guarded
+
+        rows = shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2)
+        for row in guarded(rows, self.cfg.data.stall_timeout_s):  # DataStalled, never a silent wait
             yield {k: v[0] for k, v in row.items()}
 
     def _take(self, rows: Iterator[dict[str, Any]], epoch: int) -> tuple[list[dict[str, Any]], int]:
