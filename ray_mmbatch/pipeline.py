@@ -61,12 +61,18 @@ def _pool(size: tuple[int, int]):
     return ray.data.ActorPoolStrategy(min_size=size[0], max_size=size[1])
 
 
-def pools_for(cfg: Config):
-    """The pool sizes for the connected cluster (pools.cluster_pools: ResourceError when they cannot
-    be placed); without a running Ray, the auto sizes of an empty cluster."""
-    from ray_mmbatch.pools import cluster_pools, pool_sizes
+def pools_for(cfg: Config, check: bool = False):
+    """The pool sizes for the connected cluster (pools.py); without a running Ray, the auto sizes of
+    an empty cluster. ``check``: raise pools.ResourceError when they cannot be placed (the driver's
+    pre-flight). A stream rebuilt after a node loss does not check: the node may be coming back,
+    and a stream that never gets its actors ends at data.stall_timeout_s (train/stall.py)."""
+    from ray_mmbatch.pools import alive_nodes, check_fits, pool_sizes
 
-    return cluster_pools(cfg) if ray.is_initialized() else pool_sizes(cfg, [])
+    nodes = alive_nodes(ray.nodes()) if ray.is_initialized() else []
+    sizes = pool_sizes(cfg, nodes)
+    if check and nodes:
+        check_fits(cfg, nodes, sizes)
+    return sizes
 
 
 def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done=None, payloads=None,

@@ -100,8 +100,8 @@ def check_fits(cfg: Config, nodes: list[dict[str, float]], sizes: PoolSizes) -> 
     need_pre = sizes.measure[0] + sizes.materialize[0] + PLAN_CPUS
     res = cfg.data.data_resource
     where = f"nodes offering '{res}'" if res else "the cluster"
-    flag = ("--preprocess-workers N (smaller) or auto" if not sizes.auto
-            else "more CPU on " + where)
+    fix = ("Lower --preprocess-workers (or leave it unset: auto)" if not sizes.auto
+           else f"Give {where} more CPU slots")
     # Train workers first, each on one node (they may share one with preprocessing)
     free = {n["node"]: n.get("CPU", 0.0) for n in nodes}
     gpus = {n["node"]: n.get("GPU", 0.0) for n in nodes}
@@ -128,14 +128,4 @@ def check_fits(cfg: Config, nodes: list[dict[str, float]], sizes: PoolSizes) -> 
             f"preprocessing needs {need_pre:g} CPU slots on {where} (measure {sizes.measure[0]} + materialize "
             f"{sizes.materialize[0]} actors + {PLAN_CPUS:g} for the plan actor) after the "
             f"{cfg.train.num_workers} Train workers; it offers {pre_free:g} ({_describe(nodes, res)}). "
-            f"Change {flag}.")
-
-
-def cluster_pools(cfg: Config) -> PoolSizes:
-    """Pool sizes for the connected cluster, checked (ResourceError when the run cannot fit)."""
-    import ray
-
-    nodes = alive_nodes(ray.nodes())
-    sizes = pool_sizes(cfg, nodes)
-    check_fits(cfg, nodes, sizes)
-    return sizes
+            f"{fix}.")

@@ -228,7 +228,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
 
     stopped = Path(cfg.train.output_dir) / STOPPED_FILE
     stopped.unlink(missing_ok=True)  # from an earlier run in this dir
-    sizes = pools_for(cfg)  # ResourceError now, not a stream waiting forever for slots
+    sizes = pools_for(cfg, check=True)  # ResourceError now, not a stream waiting forever for slots
     print(f"[ray_mmbatch] preprocessing: measure {sizes.measure[0]}-{sizes.measure[1]}, materialize "
           f"{sizes.materialize[0]}-{sizes.materialize[1]} actors of {sizes.slots:g} CPU slots "
           f"({'auto' if sizes.auto else '--preprocess-workers'})", flush=True)

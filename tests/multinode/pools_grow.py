@@ -59,7 +59,7 @@ def main(data: str, data_cpus: int) -> None:
         cfg.data.preprocess_workers = data_cpus  # pinned pools larger than the data node: fail at once
         t0 = time.perf_counter()
         try:
-            pools_for(cfg)
+            pools_for(cfg, check=True)
             out["pinned_error"] = ""
         except ResourceError as e:
             out["pinned_error"] = str(e)
