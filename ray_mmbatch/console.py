@@ -47,6 +47,9 @@ NOISE = re.compile("|".join((
     r"Token authentication is enabled for this Ray cluster",
     r"A new progress UI is available", r"PYTHON worker processes have been started on node",
     r"To visualize your results with TensorBoard",
+    # Ray Data's own actors going away: at the end of a --max-steps run (ray.kill of the pools)
+    # and while Ray restarts a lost one (it retries the task; a real failure fails the stream)
+    r"Task MapWorker\(.*\)\.submit failed",
 )))
 # Ray-internal messages that Ray itself calls safe to ignore; the traceback after them goes too
 NOISE_WITH_TRACEBACK = re.compile("|".join((
