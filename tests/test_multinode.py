@@ -1,6 +1,7 @@
 """A real 3-node Ray cluster on this machine (ray.cluster_utils.Cluster, in a child process so the
 session's shared local cluster is untouched): the auto-sized pools grow on the data node, stay on
-it, deliver every sample once, and pools pinned larger than the data node fail at once."""
+it, deliver every sample once, and pools pinned larger than the data node fail at once; a
+training run whose data node is preempted mid-epoch trains every sample exactly once."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,13 @@ import pytest
 pytestmark = pytest.mark.ray
 
 CHILD = Path(__file__).parent / "multinode" / "pools_grow.py"
+NODE_LOSS = Path(__file__).parent / "multinode" / "node_loss.py"
+
+
+def _result(proc) -> dict:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
 
 
 def test_auto_pools_grow_on_the_data_node_and_pinned_pools_that_cannot_fit_fail_fast(tmp_path):
@@ -21,12 +29,24 @@ def test_auto_pools_grow_on_the_data_node_and_pinned_pools_that_cannot_fit_fail_
     generate_dataset(str(tmp_path / "data"), 600, "parquet", seed=1, shard_size=50, workers=1)
     proc = subprocess.run([sys.executable, str(CHILD), str(tmp_path / "data"), "8"], capture_output=True,
                           text=True, timeout=600, cwd=Path(__file__).parents[1])
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = _result(proc)
     assert out["sizes"] == {"measure": [2, 2], "materialize": [2, 4], "slots": 8.0}
     assert out["samples"] == out["unique"] == 600
     assert 3 <= out["peak"]["materialize"] <= 4, out  # grew past its start of 2, never past the data node
     assert out["peak"]["off_data_node"] == 0, "preprocessing actors left the data node"
     assert "needs 16.25 CPU slots" in out["pinned_error"] and "--preprocess-workers" in out["pinned_error"]
     assert out["pinned_error_s"] < 1.0
+
+
+@pytest.mark.slow
+def test_data_node_preempted_mid_epoch_trains_every_sample_exactly_once(tmp_path):
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    manifest = generate_dataset(str(tmp_path / "data"), 300, "parquet", seed=5, shard_size=50, workers=1)
+    proc = subprocess.run([sys.executable, str(NODE_LOSS), str(tmp_path / "data"), str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
+    out = _result(proc)
+    assert out["removed_at_step"] is not None, "the data node was never removed"
+    trained, skipped = out["trained"], out["skipped"]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert sorted(trained + skipped) == sorted(manifest["ids"]), "a sample was neither trained nor reported"

@@ -117,13 +117,18 @@ def write_latest(output_dir: str | Path, checkpoint_path: str, state: dict[str, 
     _atomic_write_bytes(Path(output_dir) / LATEST, json.dumps(rec).encode())
 
 
-def read_latest_position(output_dir: str | Path, run_storage: str | Path | None = None) -> dict | None:
+def read_latest_position(output_dir: str | Path, run_storage: str | Path | None = None,
+                         fallback: bool = True) -> dict | None:
     """The data position (data/position.py state) of the checkpoint a restart will restore; None when none.
 
     Ray Train restores the newest checkpoint its manager registered
-    (``checkpoint_manager_snapshot.json`` in the run's storage); we read that one's
-    state. Failing that, our own pointer, written after each registered checkpoint.
-    The train loop masks out anything this view misses, so it only has to be close.
+    (``checkpoint_manager_snapshot.json`` in the run's storage, written as it registers);
+    we read that one's state. ``fallback``: failing that, our own pointer, which rank 0
+    writes right after it reports, so it may be AHEAD of what Ray registered when a
+    worker dies in between. A stream must never leave out more than the restored
+    checkpoint trained (what it leaves out is never trained again: seen losing 6-11 of
+    300 samples when a node died, tests/multinode/node_loss.py), so the stream's filter
+    passes ``fallback=False``: behind is safe (the train loop masks what it trained).
     """
     if run_storage is not None:  # a folder or a bucket URI (train.storage)
         from ray_mmbatch.formats import fs
@@ -135,6 +140,8 @@ def read_latest_position(output_dir: str | Path, run_storage: str | Path | None 
             return load_state(fs.join(root, name)).get("position")
         except (OSError, ValueError, KeyError, TypeError):
             pass
+    if not fallback:
+        return None
     try:
         return json.loads((Path(output_dir) / LATEST).read_text()).get("position")
     except (OSError, ValueError):

@@ -160,8 +160,8 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
             # stream without the samples the checkpoint being restored already trained.
             set_deterministic(cfg.train.deterministic)
             ray.data.DataContext.get_current().enable_progress_bars = progress
-            return batch_dataset(cfg, ids["pad_id"], position=ckpt.read_latest_position(out, fs.join(storage, name)),
-                                 epoch=epoch)
+            position = ckpt.read_latest_position(out, fs.join(storage, name), fallback=False)  # never ahead
+            return batch_dataset(cfg, ids["pad_id"], position=position, epoch=epoch)
         return build
 
     # One dataset per epoch, iterated one after the other by every rank (train/loop.py):

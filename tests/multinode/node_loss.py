@@ -1,16 +1,14 @@
-"""Reproduction of an open exactly-once bug (issue 22; not yet a test, since it fails):
-train one epoch on a 3-node Ray cluster on this machine (head without CPU slots, a data node
-offering 'preprocess', a 2-CPU train node), kill the data node mid-epoch (every process on it,
-as a preempted VM: here the Train worker had been placed there too), then add a fresh one.
-Prints one JSON line: the ledger's trained ids and the skipped ids.
+"""Child process of tests/test_multinode.py: train one epoch on a 3-node Ray cluster on this
+machine (head without CPU slots, a data node offering 'preprocess', a 2-CPU train node), kill
+the data node mid-epoch (every process on it, as a preempted VM; the Train worker may be placed
+there too), then add a fresh one. Prints one JSON line: the ledger's trained ids and the
+skipped ids, for the parent to check exactly-once.
 
     python tests/multinode/node_loss.py DATA OUT [samples|units|none]
 
-Seen 2026-12-05 on 300 generated Parquet samples: the worker group restarts from its
-checkpoint and the run ends, but 289-294 of 300 samples are trained and none is reported
-(the commit before this session's work lost 10 the same way, so it is not the shuffle).
-Suspect: the stream rebuilt at the restart leaves out the samples of a data position
-(train/checkpoint.read_latest_position) newer than the checkpoint the worker restores."""
+Before the fix in train/checkpoint.read_latest_position (fallback=False for the stream), 289-294
+of 300 samples were trained and none reported: the rebuilt stream left out the data position
+rank 0 had written after a report that Ray had not registered when the node died."""
 from __future__ import annotations
 
 import csv
