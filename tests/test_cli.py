@@ -84,10 +84,10 @@ def test_quiet_console_drops_ray_noise_and_keeps_the_rest():
         "Use get_actor_id() instead",
         "  not self.actor_id.is_nil()",
         "UserWarning: your images are tiny",
-        "Failed to send resource request for train-1. ... it's safe to ignore this error.",
         "\x1b[33m(raylet)\x1b[0m Task MapWorker(MapBatches(MaterializeStage)).submit failed. There are infinite "
         "retries remaining, so the task will be retried. Error: The actor is temporarily unavailable: IOError: "
         "The actor was restarted",
+        "Failed to send resource request for train-1. ... it's safe to ignore this error.",
         "Traceback (most recent call last):", '  File "x.py", line 1, in f', "ray.exceptions.GetTimeoutError: late",
         "Traceback (most recent call last):",
     ]
