@@ -84,15 +84,15 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     cfg = configure(copy.deepcopy(cfg))
     if not cfg.data.path:
         raise ValueError("local_batches needs cfg.data.path (a Parquet / WebDataset / LLaVA dataset)")
-    carry = uses_plan_actor(cfg.budget, cfg.data)
+    stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
     seed = cfg.train.seed
-    planner = CarryPlanStage(cfg.budget, seed, epoch, shuffle_buffer_size(cfg.data)) if carry else None
+    planner = CarryPlanStage(cfg.budget, seed, epoch, shuffle_buffer_size(cfg.data)) if stateful else None
     payloads = LocalPayloads()
     materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"], payloads)
     done = 0
-    measured = _measured_rows(cfg, end_marker=carry, payloads=payloads, shard=shard, epoch=epoch)
+    measured = _measured_rows(cfg, end_marker=stateful, payloads=payloads, shard=shard, epoch=epoch)
     for window in _chunks(measured, max(1, cfg.budget.window)):
-        plans = planner(window) if carry else plan_rows(window, cfg.budget, seed, epoch)
+        plans = planner(window) if stateful else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):
             one = {k: [v[i]] for k, v in plans.items()}
             row = {k: v[0] for k, v in materialize(one).items()}

@@ -114,7 +114,7 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     from ray_mmbatch.readers import check_listing, listing_digest, read_units
 
     done = DataPosition.from_state(position).epochs.get(epoch)
-    carry = uses_plan_actor(cfg.budget, cfg.data)
+    stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
     listing = read_units(cfg.data.path, cfg.data)
     check_listing(position, listing_digest(listing[0]), cfg.data.path)  # the indices must mean the same units
     # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
@@ -123,9 +123,9 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
                            cap_bytes=cfg.data.payload_memory_mb * 2**20,
                            spill_dir=cfg.data.payload_spill_dir or None,
                            **stage_args(cfg))
-    measured = measured_dataset(cfg, epoch, end_marker=carry, done=done, payloads=payloads, listing=listing,
+    measured = measured_dataset(cfg, epoch, end_marker=stateful, done=done, payloads=payloads, listing=listing,
                                 pools=pools)
-    if carry:  # one actor: one shuffle buffer and carry, fed the windows in stream order
+    if stateful:  # one actor: one shuffle buffer and carry, fed the windows in stream order
         with warnings.catch_warnings():
             # Ray Data lets actor tasks run out of order by default; the carry needs windows in
             # the order they were submitted (stream order). Ray 2.60 takes this actor option only
