@@ -28,6 +28,23 @@ vs the budget, tokens truncated:
   (g) multi-budget speed: pack_best_fit_decreasing with max_patches = 2 * max_tokens
       (the patch budget binds), at 4,096 and 16,384 tokens, window 2048, with and without
       carry (samples that cannot fit alone at 4,096 are left out of that run)
+  (h) the patch budget binding on nearly every sample: a Qwen2-VL-like mixture
+      (below), max_patches = 2 * max_tokens at 4,096 and 16,384 tokens, window 2048;
+      pack_best_fit_decreasing's speed with the token budget alone and with the patch
+      budget on the same windows in the same run (alternating) and their ratio; fill
+      (tokens, and patches: sum / (batches * max_patches)) and batches against the token
+      bound ceil(sum tokens / max_tokens), the patch bound ceil(sum patches / max_patches)
+      and LB_win (per window, the larger of the two), planned window by window and with carry
+
+Qwen2-VL-like mixture for (h) (image tokens after the 2x2 merge, patches = 4 x image
+tokens, so a sample is patch-bound at max_patches = 2 * max_tokens when its image
+tokens exceed its text):
+
+    share  kind            text tokens              images / image tokens each
+    60%    single image    ~80   (5..1500)          1 x ~600 (64..1280)
+    20%    multi-image     ~200  (20..2000)         2..4: ~600 + ~300 (64..1000) each more
+    15%    document        ~60   (5..600)           1 x ~1200 (400..1800)
+     5%    text only       ~400  (50..3000)         0
 
     python benchmarks/bench_packing.py [--n 65536] [--json PATH]
 """
@@ -63,6 +80,21 @@ def realistic_costs(n: int, seed: int = 0):
     img_tokens = np.where(kind == 2, _lognormal(rng, n, 2000, 1000, 4000, 0.4), small())
     extra = sum(np.where(images > k, small(), 0) for k in range(1, 6))
     img_tokens = np.where(images > 0, img_tokens + extra, 0)
+    return text + img_tokens, 4 * img_tokens, images
+
+
+def qwen_vl_costs(n: int, seed: int = 0):
+    """Arrays (tokens, patches, images) of the image-heavy mixture (h) in the header."""
+    rng = np.random.default_rng(seed)
+    kind = rng.choice(4, size=n, p=[0.60, 0.20, 0.15, 0.05])
+    text = np.select([kind == 0, kind == 1, kind == 2, kind == 3], [
+        _lognormal(rng, n, 80, 5, 1500, 0.9), _lognormal(rng, n, 200, 20, 2000, 0.8),
+        _lognormal(rng, n, 60, 5, 600, 0.8), _lognormal(rng, n, 400, 50, 3000, 0.9)])
+    images = np.select([kind == 1, kind == 3], [rng.integers(2, 5, n), 0], 1).astype(np.int64)
+    first = np.where(kind == 2, _lognormal(rng, n, 1200, 400, 1800, 0.4),
+                     _lognormal(rng, n, 600, 64, 1280, 0.6))
+    extra = sum(np.where(images > k, _lognormal(rng, n, 300, 64, 1000, 0.5), 0) for k in range(1, 4))
+    img_tokens = np.where(images > 0, first + extra, 0)
     return text + img_tokens, 4 * img_tokens, images
 
 
@@ -138,6 +170,48 @@ def _speed(tokens, patches, images, budget, algorithm, window=2048, min_s=1.0, c
     return done / (time.perf_counter() - t0)
 
 
+def _speed_pair(tokens, patches, images, budgets, algorithm, window=2048, min_s=1.0, rounds=4):
+    """samples/s of each budget on the same windows, alternating in ``rounds`` slices so
+    that load from other processes hits both alike (their ratio is the figure to trust)."""
+    done, spent, starts = [0] * len(budgets), [0.0] * len(budgets), [0] * len(budgets)
+    for _ in range(rounds):
+        for k, b in enumerate(budgets):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < min_s / rounds:
+                s = starts[k]
+                plan_batches_arrays(tokens[s:s + window], patches[s:s + window], images[s:s + window],
+                                    b, seed=0, algorithm=algorithm)
+                done[k] += len(tokens[s:s + window])
+                starts[k] = (s + window) % (len(tokens) - window)
+            spent[k] += time.perf_counter() - t0
+    return [d / t for d, t in zip(done, spent)]
+
+
+def _patch_bound(n, seed, min_s):
+    """(h): the Qwen2-VL-like mixture, max_patches = 2 * max_tokens (see the header)."""
+    tokens, patches, images = qwen_vl_costs(n, seed)
+    algo, out = "pack_best_fit_decreasing", []
+    for mt in (4096, 16384):
+        fits = (tokens <= mt) & (patches <= 2 * mt)
+        t, p, m = tokens[fits], patches[fits], images[fits]
+        only, bound = Budget(mt, "pack"), Budget(mt, "pack", max_patches=2 * mt)
+        sp_tok, sp_patch = _speed_pair(t, p, m, [only, bound], algo, min_s=min_s)
+        win = _windowed(t, p, m, bound, 2048, algo)
+        car = _carried(t, p, m, bound, 2048, algo)
+        lb_win = sum(max(math.ceil(int(t[s:s + 2048].sum()) / mt), math.ceil(int(p[s:s + 2048].sum()) / (2 * mt)))
+                     for s in range(0, len(t), 2048))
+        out.append({"max_tokens": mt, "max_patches": 2 * mt, "samples": int(fits.sum()),
+                    "patch_bound_share": float(np.mean(p / (2 * mt) > t / mt)),
+                    "token_lb": math.ceil(int(t.sum()) / mt), "patch_lb": math.ceil(int(p.sum()) / (2 * mt)),
+                    "window_lb": lb_win, "batches": win["n_batches"], "fill": win["fill"],
+                    "patch_fill": int(p.sum()) / (win["n_batches"] * 2 * mt),
+                    "carry_batches": car["n_batches"], "carry_fill": car["fill"],
+                    "carry_patch_fill": int(p.sum()) / (car["n_batches"] * 2 * mt),
+                    "token_only_samples_per_s": sp_tok, "samples_per_s": sp_patch, "ratio": sp_patch / sp_tok,
+                    "carry_samples_per_s": _speed(t, p, m, bound, algo, min_s=min_s, carry=True)})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, default=65536)
@@ -186,6 +260,7 @@ def main(argv=None):
                       "samples_per_s": _speed(t, p, m, b, "pack_best_fit_decreasing", min_s=args.speed_seconds),
                       "carry_samples_per_s": _speed(t, p, m, b, "pack_best_fit_decreasing",
                                                     min_s=args.speed_seconds, carry=True)})
+    bound = _patch_bound(args.n, args.seed, args.speed_seconds)
     print(f"n={args.n} samples, sum tokens={int(tokens.sum())}, mean={tokens.mean():.0f}, "
           f"max_tokens={MAX_TOKENS}")
     print(f"{'strategy':52s} {'fill':>7s} {'bfill':>7s} {'batches':>8s} {'LB':>6s} "
@@ -203,10 +278,19 @@ def main(argv=None):
               f"{r['batches']} batches "
               f"(patch bound {r['patch_bound']}), {r['samples_per_s']:.0f} samples/s, "
               f"{r['carry_samples_per_s']:.0f} with carry")
+    print("(h) patch budget binding: Qwen2-VL-like mixture, max_patches = 2 * max_tokens, window 2048, "
+          "pack_best_fit_decreasing")
+    for r in bound:
+        print(f"    max_tokens {r['max_tokens']:6d}: {r['samples']} samples, patch-bound {r['patch_bound_share']:.1%} "
+              f"of them; LB tokens {r['token_lb']}, patches {r['patch_lb']}, LB_win {r['window_lb']}\n"
+              f"        windows: {r['batches']} batches, fill {r['fill']:.2%} (patches {r['patch_fill']:.2%}); "
+              f"carry: {r['carry_batches']} batches, fill {r['carry_fill']:.2%} (patches {r['carry_patch_fill']:.2%})\n"
+              f"        samples/s: token budget alone {r['token_only_samples_per_s']:.0f}, with the patch budget "
+              f"{r['samples_per_s']:.0f} (ratio {r['ratio']:.2f}), with carry {r['carry_samples_per_s']:.0f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"n": args.n, "seed": args.seed, "max_tokens": MAX_TOKENS,
-                       "algorithms": sorted(ALGORITHMS), "rows": rows, "multi_budget": multi}, f, indent=1)
+            json.dump({"n": args.n, "seed": args.seed, "max_tokens": MAX_TOKENS, "algorithms": sorted(ALGORITHMS),
+                       "rows": rows, "multi_budget": multi, "patch_bound": bound}, f, indent=1)
 
 
 if __name__ == "__main__":
