@@ -39,6 +39,7 @@ FLAGS: dict[str, str] = {
     "--vision-d-model": "model.vision_d_model", "--vision-layers": "model.vision_layers",
     "--attention": "model.attention",
     "--num-workers": "train.num_workers", "--use-gpu": "train.use_gpu", "--gpus-per-worker": "train.gpus_per_worker",
+    "--train-resource": "train.worker_resource",
     "--precision": "train.precision",
     "--lr": "train.lr", "--grad-accum": "train.grad_accum", "--max-steps": "train.max_steps",
     "--epochs": "train.epochs", "--report-every": "train.report_every",

@@ -141,6 +141,10 @@ class TrainConfig:
     """CPUs reserved by each Train worker."""
     gpus_per_worker: float = 1.0
     """GPUs per Train worker with use_gpu (a fraction shares one GPU, e.g. 0.5 for a 2-worker smoke test)."""
+    worker_resource: str = ""
+    """Custom Ray resource each Train worker requires (one unit), e.g. 'train' on the nodes meant for training,
+    so that on a CPU cluster Train workers never take the data nodes' slots; empty = anywhere (GPU runs are
+    placed by their GPUs)."""
     precision: str = "auto"
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp32'."""
     lr: float = 3e-3

@@ -84,10 +84,10 @@ def pool_sizes(cfg: Config, nodes: list[dict[str, float]]) -> PoolSizes:
     return PoolSizes((floor, measure), (floor, max(floor, usable - measure)), slots, auto=True)
 
 
-def _describe(nodes: list[dict[str, float]], data_resource: str) -> str:
+def _describe(nodes: list[dict[str, float]], *resources: str) -> str:
     parts = []
     for n in nodes:
-        extra = f", {data_resource} {n.get(data_resource, 0):g}" if data_resource else ""
+        extra = "".join(f", {r} {n.get(r, 0):g}" for r in resources if r)
         gpu = f", GPU {n['GPU']:g}" if n.get("GPU") else ""
         name = n["address"] if n["node"] == n["address"] else f"{n['address']} ({n['node'][:8]})"
         parts.append(f"{name}: CPU {n.get('CPU', 0):g}{gpu}{extra}")
@@ -105,23 +105,29 @@ def check_fits(cfg: Config, nodes: list[dict[str, float]], sizes: PoolSizes) -> 
     # Train workers first, each on one node (they may share one with preprocessing)
     free = {n["node"]: n.get("CPU", 0.0) for n in nodes}
     gpus = {n["node"]: n.get("GPU", 0.0) for n in nodes}
+    tres = cfg.train.worker_resource
+    own = {n["node"]: n.get(tres, 0.0) for n in nodes} if tres else {}
     placed = 0
     order = sorted(nodes, key=lambda n: (n.get(res, 0.0) > 0) if res else 0)  # non-data nodes first
     for _ in range(cfg.train.num_workers):
         for n in order:
             name = n["node"]
             if free[name] >= cfg.train.cpus_per_worker and (
-                    not cfg.train.use_gpu or gpus[name] >= cfg.train.gpus_per_worker):
+                    not cfg.train.use_gpu or gpus[name] >= cfg.train.gpus_per_worker) and (
+                    not tres or own[name] >= 1.0):
                 free[name] -= cfg.train.cpus_per_worker
                 if cfg.train.use_gpu:
                     gpus[name] -= cfg.train.gpus_per_worker
+                if tres:
+                    own[name] -= 1.0
                 placed += 1
                 break
     if placed < cfg.train.num_workers:
-        gpu = f" and {cfg.train.gpus_per_worker:g} GPU" if cfg.train.use_gpu else ""
+        gpu = (f" and {cfg.train.gpus_per_worker:g} GPU" if cfg.train.use_gpu else "") + (
+            f" and one '{tres}' (--train-resource)" if tres else "")
         raise ResourceError(
             f"{cfg.train.num_workers} Train workers need {cfg.train.cpus_per_worker:g} CPU{gpu} each; "
-            f"only {placed} fit on this cluster ({_describe(nodes, res)}). Lower --num-workers or add nodes.")
+            f"only {placed} fit on this cluster ({_describe(nodes, res, tres)}). Lower --num-workers or add nodes.")
     pre_free = sum(free[n["node"]] for n in nodes if not res or n.get(res, 0.0) > 0)
     if pre_free < need_pre:
         raise ResourceError(

@@ -127,6 +127,7 @@ RUN_METRICS = "metrics.jsonl"    # one JSON object per report: step, loss, token
 RUN_BATCHES = "batches.jsonl"    # one JSON object per trained batch: step, rank, real/padded/target tokens,
                                  # n_samples, budget
 RUN_SKIPPED = "skipped.csv"      # id,reason for every skipped sample
+RUN_SKIP_LOG = "skipped.jsonl"   # the skip records as the ranks sent them (a restore may repeat one)
 RUN_LEDGER = "ledger"            # folder: per-rank sample-id ledger files (optional)
 
 # ------------------------------------------ MEASURED row, added by data/measure.py

@@ -54,7 +54,7 @@ def run_trial(params: dict[str, Any]) -> None:
     """The Tune function: one short training run with these budget settings."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from ray_mmbatch.train.trainer import build_trainer
+    from ray_mmbatch.train.trainer import fit
 
     base = params["base"]
     cfg = apply_overrides(Config(), {f"{s}.{k}": v for s, sub in base.items() for k, v in sub.items()})
@@ -72,7 +72,7 @@ def run_trial(params: dict[str, Any]) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False  # a trial has no terminal to draw on
     result: dict[str, Any] = {"status": "ok", "error": ""}
     try:
-        build_trainer(cfg, run_name=name, callbacks=[TuneReportCallback()]).fit()
+        fit(cfg, run_name=name, callbacks=[TuneReportCallback()])
     except Exception as e:  # an OOM or crash makes this setting infeasible, not the sweep
         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
         result.update(status="oom" if "memory" in msg.lower() else "failed", error=msg[-500:])

@@ -74,3 +74,18 @@ def test_auto_is_the_default_and_a_number_pins():
     assert cfg.data.preprocess_workers is None
     assert apply_overrides(cfg, {"data.preprocess_workers": "6"}).data.preprocess_workers == 6
     assert apply_overrides(cfg, {"data.preprocess_workers": "auto"}).data.preprocess_workers is None
+
+
+def test_train_workers_go_only_where_their_resource_is():
+    """--train-resource: a Train worker needs one unit of it, so the free CPUs of other nodes do not count."""
+    cfg = _cfg(data_resource="preprocess")
+    cfg.train.worker_resource = "train"
+    data = ("10.0.0.2", {"CPU": 8.0, "preprocess": 8.0}, True)
+    one_slot = _nodes(HEAD, data, ("10.0.0.3", {"CPU": 4.0, "train": 1.0}, True))
+    with pytest.raises(ResourceError,
+                       match=r"one 'train' \(--train-resource\) each; only 1 fit .*CPU 4, preprocess 0, train 1"):
+        check_fits(cfg, one_slot, pool_sizes(cfg, one_slot))
+    two = _nodes(HEAD, data, ("10.0.0.3", {"CPU": 4.0, "train": 2.0}, True))
+    check_fits(cfg, two, pool_sizes(cfg, two))
+    cfg.train.worker_resource = ""  # without it the same cluster fits: the data node has CPUs to spare
+    check_fits(cfg, one_slot, pool_sizes(cfg, one_slot))

@@ -37,8 +37,8 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.batching.layout import filler_batch, mask_samples, zero_target
 from ray_mmbatch.config import Config, apply_overrides, flatten
 from ray_mmbatch.data.position import DataPosition
-from ray_mmbatch.runlog import read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
+from ray_mmbatch.train.events import RankEvents
 from ray_mmbatch.train.step import all_reduce
 
 EXPORT_DIR = "model"  # OUTPUT_DIR/model: the trained model in its family's format (HF: from_pretrained-able)
@@ -64,42 +64,12 @@ def _positions(row: dict[str, Any], n: int) -> tuple[np.ndarray, np.ndarray]:
     return pos, np.asarray(row.get(S.BATCH_POSITION_UNIT_ROWS, np.zeros(len(pos))), dtype=np.int64)
 
 
-class RunFiles:
-    """Per-rank append-only logs in the output dir, trimmed back to the checkpoint on restore."""
-
-    def __init__(self, output_dir: str, rank: int, ledger: bool):
-        self.dir = Path(output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
-        self.paths = {"batches": self.dir / f"batches.rank{rank}.jsonl",
-                      "skipped": self.dir / f"skipped.rank{rank}.jsonl"}
-        if rank == 0:
-            self.paths["metrics"] = self.dir / S.RUN_METRICS
-        if ledger:
-            (self.dir / S.RUN_LEDGER).mkdir(exist_ok=True)
-            self.paths["ledger"] = self.dir / S.RUN_LEDGER / f"rank{rank}.jsonl"
-
-    def trim(self, step: int) -> None:
-        """Drop records of steps after ``step`` (they were undone by the restore)."""
-        for name, p in self.paths.items():
-            if name == "skipped" or not p.exists():
-                continue
-            write_jsonl(p, [r for r in read_jsonl(p) if r.get("step", 0) <= step])
-        if step == 0:
-            for p in self.paths.values():
-                p.unlink(missing_ok=True)
-
-    def append(self, name: str, rec: dict[str, Any]) -> None:
-        if name in self.paths:
-            with open(self.paths[name], "a") as f:
-                f.write(json.dumps(rec) + "\n")
-
-
 class Runner:
     """Owns the step loop: fetch micro-batches, agree on data, step, log, report, checkpoint."""
 
     def __init__(self, cfg: Config, model, optimizer, scheduler, device, shards: list, rank: int, world: int,
-                 state: dict[str, Any] | None = None, progress=None, planned_samples: int = 0, listing: str = ""):
+                 state: dict[str, Any] | None = None, progress=None, planned_samples: int = 0, listing: str = "",
+                 channel=None):
         from ray_mmbatch.train.step import optimizer_step
 
         self.cfg, self.model, self.opt, self.sched = cfg, model, optimizer, scheduler
@@ -117,7 +87,8 @@ class Runner:
         self.samples_seen = int(st.get("samples_seen", 0))
         self.progress, self.planned_samples = progress, int(planned_samples)
         self._set_progress()
-        self.files = RunFiles(cfg.train.output_dir, rank, cfg.train.ledger)
+        # the run's records go to the driver through Ray (train/events.py), never to a shared disk
+        self.files = RankEvents(channel, rank, cfg.train.ledger)
         self.files.trim(self.step)
         self.last_batch: dict[str, Any] | None = None
         self.aborted = ""  # why the skip guard stopped the run ("" = it did not)
@@ -203,13 +174,12 @@ class Runner:
     def _guard(self, guard: list[int], at_end: bool) -> bool:
         """Stop (all ranks agree: the counts are all-reduced) when too many samples are skipped;
         the driver explains it from skipped.csv (guards.py)."""
-        from ray_mmbatch.guards import STOPPED_FILE, skip_fraction_exceeded
+        from ray_mmbatch.guards import skip_fraction_exceeded
 
         if skip_fraction_exceeded(guard[0], guard[1], self.cfg.data.max_skip_fraction, at_end=at_end):
             self.aborted = f"{guard[1]} of {guard[0]} samples skipped"
-            if self.rank == 0:  # a file: Ray's Result only carries metrics of checkpointed reports
-                (Path(self.cfg.train.output_dir) / STOPPED_FILE).write_text(
-                    json.dumps({"seen": guard[0], "skipped": guard[1], "step": self.step}))
+            if self.rank == 0:  # the driver writes it: Ray's Result only carries metrics of checkpointed reports
+                self.files.stopped({"seen": guard[0], "skipped": guard[1], "step": self.step})
         return bool(self.aborted)
 
     def _set_progress(self) -> None:
@@ -289,6 +259,7 @@ class Runner:
         for epoch, pos, unit_rows in all_gather_lists(self.new_positions):
             self.position.add(epoch, pos, unit_rows)
         self.new_positions = []
+        self.files.flush()  # before the checkpoint: what it covers has reached the driver
         if not checkpoint:
             ray.train.report(metrics)
             return
@@ -344,7 +315,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
     shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
     Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned,
-           listing=config.get("listing", "")).run()
+           listing=config.get("listing", ""), channel=config.get("channel")).run()
     if cfg.train.export_hf:
         bare = getattr(model, "module", model)
         # under FSDP the parameters are shards: every rank takes part in gathering the full weights

@@ -94,12 +94,12 @@ def tokenizer_ids(cfg: Config) -> dict[str, int]:
     return token_ids(configure(cfg))
 
 
-def _merge_rank_files(out: Path) -> dict[str, int]:
-    """batches.rank*.jsonl -> batches.jsonl; skipped.rank*.jsonl -> skipped.csv (deduplicated by id)."""
-    lines = [r for p in sorted(out.glob("batches.rank*.jsonl")) for r in read_jsonl(p)]
+def _finish_logs(out: Path) -> dict[str, int]:
+    """batches.jsonl in (step, rank) order; skipped.jsonl -> skipped.csv (deduplicated by id)."""
+    lines = read_jsonl(out / S.RUN_BATCHES)
     lines.sort(key=lambda r: (r["step"], r["rank"]))
     write_jsonl(out / S.RUN_BATCHES, lines)
-    skipped = {r["sample_id"]: r["reason"] for p in sorted(out.glob("skipped.rank*.jsonl")) for r in read_jsonl(p)}
+    skipped = {r["sample_id"]: r["reason"] for r in read_jsonl(out / S.RUN_SKIP_LOG)}
     counts: dict[str, int] = {}
     with open(out / S.RUN_SKIPPED, "w", newline="") as f:
         w = csv.writer(f)
@@ -125,10 +125,23 @@ def _worker_resources(cfg: Config) -> dict[str, float]:
     res = {"CPU": cfg.train.cpus_per_worker}
     if cfg.train.use_gpu:
         res["GPU"] = cfg.train.gpus_per_worker
+    if cfg.train.worker_resource:
+        res[cfg.train.worker_resource] = 1.0
     return res
 
 
-def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
+def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
+    """``build_trainer(...).fit()``, the ranks' records written under OUTPUT_DIR by this process
+    (train/events.py: through Ray, so no shared disk is needed for progress and summary)."""
+    from ray_mmbatch.guards import STOPPED_FILE
+    from ray_mmbatch.train.events import follow
+
+    check_output_locations(cfg)
+    with follow(Path(cfg.train.output_dir).resolve(), STOPPED_FILE) as channel:
+        return build_trainer(cfg, run_name, callbacks, channel=channel).fit()
+
+
+def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None, channel=None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -175,7 +188,8 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg), "listing": listing},
+        train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg), "listing": listing,
+                           "channel": channel},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=_worker_resources(cfg)),
         run_config=RunConfig(
@@ -232,9 +246,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
     print(f"[ray_mmbatch] preprocessing: measure {sizes.measure[0]}-{sizes.measure[1]}, materialize "
           f"{sizes.materialize[0]}-{sizes.materialize[1]} actors of {sizes.slots:g} CPU slots "
           f"({'auto' if sizes.auto else '--preprocess-workers'})", flush=True)
-    result = build_trainer(cfg).fit()
+    result = fit(cfg)
     out = Path(cfg.train.output_dir)
-    skipped = _merge_rank_files(out)
+    skipped = _finish_logs(out)
     m = result.metrics or {}
     summary = {
         "steps": int(m.get("step", 0)),

@@ -1,10 +1,15 @@
 """Child process of tests/test_multinode.py: train one epoch on a 3-node Ray cluster on this
 machine (head without CPU slots, a data node offering 'preprocess', a 2-CPU train node), kill
-the data node mid-epoch (every process on it, as a preempted VM; the Train worker may be placed
-there too), then add a fresh one. Prints one JSON line: the ledger's trained ids and the
-skipped ids, for the parent to check exactly-once.
+one node mid-epoch (every process on it, as a preempted VM), then add a fresh one:
 
-    python tests/multinode/node_loss.py DATA OUT [samples|units|none]
+- ``data``: the data node (the Train worker may be placed there too);
+- ``train``: the train node, which offers 'train' and holds the Train worker (--train-resource).
+
+Prints one JSON line: the ledger's trained ids, the skipped ids and the progress lines the
+driver showed, for the parent to check exactly-once. Every run file is written by the driver
+from what the ranks sent through Ray (train/events.py); the child checks that no rank wrote one.
+
+    python tests/multinode/node_loss.py DATA OUT [data|train] [samples|units|none]
 
 Before the fix in train/checkpoint.read_latest_position (fallback=False for the stream), 289-294
 of 300 samples were trained and none reported: the rebuilt stream left out the data position
@@ -18,18 +23,23 @@ import threading
 import time
 from pathlib import Path
 
+NODES = {"data": {"num_cpus": 4, "resources": {"preprocess": 4}}, "train": {"num_cpus": 2, "resources": {"train": 1}}}
 
-def main(data: str, out_dir: str, shuffle: str = "samples") -> None:
+
+def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples") -> None:
+    import io
+
     import ray
     from ray.cluster_utils import Cluster
 
     from ray_mmbatch import schema as S
     from ray_mmbatch.config import Config
+    from ray_mmbatch.console import Progress
     from ray_mmbatch.train.trainer import run_training
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    node = cluster.add_node(num_cpus=4, resources={"preprocess": 4})
-    cluster.add_node(num_cpus=2)
+    nodes = {name: cluster.add_node(**args) for name, args in NODES.items()}
+    node = nodes[which]
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     out = Path(out_dir)
     cfg = Config()
@@ -39,12 +49,15 @@ def main(data: str, out_dir: str, shuffle: str = "samples") -> None:
     cfg.train.output_dir, cfg.train.ledger = str(out), True
     cfg.train.report_every = cfg.train.checkpoint_every = 2
     cfg.train.max_steps, cfg.train.num_workers, cfg.train.max_failures = 0, 1, 4
+    cfg.train.worker_resource = "train" if which == "train" else ""
+    console = io.StringIO()
     events: dict = {"removed_at_step": None}
     result: dict = {}
 
     def train() -> None:
         try:
-            result["summary"] = run_training(cfg)
+            with Progress(out / S.RUN_METRICS, max_steps=0, stream=console, interval=0.2):
+                result["summary"] = run_training(cfg)
         except BaseException as e:  # reported by the main thread
             result["error"] = e
 
@@ -59,7 +72,7 @@ def main(data: str, out_dir: str, shuffle: str = "samples") -> None:
                 events["removed_at_step"] = steps
                 cluster.remove_node(node)  # SIGKILL of everything on it
                 time.sleep(3)
-                cluster.add_node(num_cpus=4, resources={"preprocess": 4})
+                cluster.add_node(**NODES[which])
             time.sleep(0.2)
         t.join(900)
     finally:
@@ -72,9 +85,11 @@ def main(data: str, out_dir: str, shuffle: str = "samples") -> None:
                for ln in p.read_text().splitlines() for sid in json.loads(ln)["sample_ids"]]
     with open(out / S.RUN_SKIPPED) as f:
         skipped = [r["sample_id"] for r in csv.DictReader(f)]
-    print("RESULT " + json.dumps({"trained": trained, "skipped": skipped, "steps": summary["steps"], **events}),
-          flush=True)
+    rank_files = sorted(p.name for p in out.rglob("*rank*") if p.parent != out / S.RUN_LEDGER)
+    print("RESULT " + json.dumps({"trained": trained, "skipped": skipped, "steps": summary["steps"], **events,
+                                  "summary_samples": summary["samples"], "rank_files": rank_files,
+                                  "progress_lines": console.getvalue().splitlines()}), flush=True)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])
