@@ -200,7 +200,19 @@ class ShardedTrainingPath:
 
 
 def _train_totals() -> dict:
-    return {"samples": 0, "skipped": 0, "real_tokens": 0, "batches": 0}
+    return {"samples": 0, "skipped": 0, "real_tokens": 0, "batches": 0, "first_s": None, "first_samples": 0}
+
+
+def _first(totals: dict, t0: float) -> None:
+    """Mark the first batch: start-up (the clock up to it) is told apart from the steady rate after it."""
+    if totals["first_s"] is None and totals["samples"]:
+        totals["first_s"], totals["first_samples"] = time.perf_counter() - t0, totals["samples"]
+
+
+def _steady(x: dict) -> float:
+    """samples/s after the first batch (the steady state of the pass)."""
+    dt = x["wall_s"] - (x["first_s"] or 0.0)
+    return (x["samples"] - x["first_samples"]) / dt if dt > 0 else 0.0
 
 
 def run_dataloader_train(cfg: Config, workers: int) -> dict:
@@ -212,8 +224,9 @@ def run_dataloader_train(cfg: Config, workers: int) -> dict:
     totals = _train_totals()
     t0 = time.perf_counter()
     for item in DataLoader(_DS(cfg), batch_size=None, num_workers=workers, persistent_workers=False):
-        for k in totals:
+        for k in ("samples", "skipped", "real_tokens", "batches"):
             totals[k] += int(item[k])
+        _first(totals, t0)
     totals["wall_s"] = time.perf_counter() - t0
     return totals
 
@@ -241,16 +254,17 @@ def run_ray_train(cfg: Config, cpus: int) -> dict:
                 totals["samples"] += n
                 totals["real_tokens"] += int(row[S.BATCH_REAL_TOKENS])
                 totals["batches"] += 1
+                _first(totals, t0)
         totals["wall_s"] = time.perf_counter() - t0
     return totals
 
 
 def main_train(args, data: str, cfg: Config) -> list[dict]:
     print(f"training path: DataLoader num_workers={args.loader_workers} vs Ray (num_cpus={args.cpus}, "
-          f"actors/stage<={args.ray_workers}); budget {cfg.budget.mode} {cfg.budget.max_tokens} tokens, "
-          f"window {cfg.budget.window}", flush=True)
+          f"actors/stage {args.ray_workers or 'auto'}); budget {cfg.budget.mode} {cfg.budget.max_tokens} tokens, "
+          f"window {cfg.budget.window}, shuffle {cfg.data.shuffle}", flush=True)
     print(f"{'run':>3}  {'path':<12}{'samples':>8}{'skipped':>8}{'batches':>8}{'wall s':>8}{'samples/s':>11}"
-          f"{'ray/DL':>8}{'load 1m':>8}")
+          f"{'ray/DL':>8}{'1st s':>7}{'steady/s':>9}{'ray/DL':>8}{'load 1m':>8}")
     runs = []
     for rep in range(args.repeat):
         dl = run_dataloader_train(cfg, args.loader_workers)
@@ -261,11 +275,13 @@ def main_train(args, data: str, cfg: Config) -> list[dict]:
             if dl[k] != ry[k]:
                 raise SystemExit(f"ray and dataloader disagree on {k}: {ry[k]} != {dl[k]}; not the same work")
         ratio = (ry["samples"] / ry["wall_s"]) / (dl["samples"] / dl["wall_s"])
-        for side, x, load, r in (("dataloader", dl, load_dl, None), ("ray", ry, load_ray, ratio)):
+        steady = _steady(ry) / max(_steady(dl), 1e-9)
+        for side, x, load, r, sr in (("dataloader", dl, load_dl, None, None), ("ray", ry, load_ray, ratio, steady)):
             print(f"{rep:>3}  {side:<12}{x['samples']:>8}{x['skipped']:>8}{x['batches']:>8}{x['wall_s']:>8.2f}"
-                  f"{x['samples'] / x['wall_s']:>11.1f}{f'{r:.2f}' if r else '':>8}{load:>8.2f}", flush=True)
-        runs.append({"repeat": rep, "dataloader": dict(dl, load1=load_dl), "ray": dict(ry, load1=load_ray),
-                     "ratio": ratio})
+                  f"{x['samples'] / x['wall_s']:>11.1f}{f'{r:.2f}' if r else '':>8}{x['first_s'] or 0:>7.2f}"
+                  f"{_steady(x):>9.1f}{f'{sr:.2f}' if sr else '':>8}{load:>8.2f}", flush=True)
+        runs.append({"repeat": rep, "dataloader": dict(dl, load1=load_dl, steady=_steady(dl)),
+                     "ray": dict(ry, load1=load_ray, steady=_steady(ry)), "ratio": ratio, "steady_ratio": steady})
     return runs
 
 
@@ -300,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=2, help="passes per side (timings are noisy)")
     p.add_argument("--cpus", type=int, default=4,
                    help="ray.init num_cpus (logical); the actor pool is capped at this")
-    p.add_argument("--ray-workers", type=int, default=2, help="Ray actors (data.preprocess_workers)")
+    p.add_argument("--ray-workers", type=int, default=None,
+                   help="Ray actors per pool (data.preprocess_workers; default: auto, sized from the CPUs)")
     p.add_argument("--loader-workers", type=int, default=2, help="DataLoader num_workers")
     p.add_argument("--measure-batch", type=int, default=64, help="rows per measure call, both sides")
     p.add_argument("--ray", nargs="+", choices=sorted(RAY_VARIANTS), default=list(RAY_VARIANTS),

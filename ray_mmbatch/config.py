@@ -187,7 +187,7 @@ class TrainConfig:
     """Shard parameters, gradients and optimizer state over the workers (FSDP2 fully_shard) instead of DDP."""
     export_hf: bool = True
     """HF models: save the trained model in HF format (save_pretrained: model, tokenizer, processor) to
-    OUTPUT_DIR/hf_model at the end."""
+    OUTPUT_DIR/model at the end, on rank 0's node)."""
     fault_at_step: int = 0
     """Fault drill: rank 0 SIGKILLs its own process after this step, once per run dir (0 = off)."""
 
