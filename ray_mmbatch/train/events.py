@@ -97,7 +97,8 @@ class follow:
         # where several raylets share one address)
         head = {HEAD_RESOURCE: 0.001} if any(n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {})
                                              for n in ray.nodes()) else {}
-        self.channel = RunChannel.options(resources=head).remote()
+        # "DEFAULT": a Tune trial's placement group would otherwise capture it (and has no head slot)
+        self.channel = RunChannel.options(resources=head, scheduling_strategy="DEFAULT").remote()
         self._thread.start()
         return self.channel
 
