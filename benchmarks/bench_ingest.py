@@ -79,8 +79,8 @@ class ParquetMeasureMaterialize:
         from ray_mmbatch.data.image import ImageSkip
         from ray_mmbatch.data.materialize import materialize_sample
         from ray_mmbatch.data.measure import measure_batch
-        from ray_mmbatch.data.sources import parquet_rows
         from ray_mmbatch.data.text import load_tokenizer
+        from ray_mmbatch.formats.parquet import parquet_rows
 
         path, group, start, rows, file_row = self.units[i]
         part = _row_group(path, group, self.columns).slice(start, rows)
@@ -126,7 +126,7 @@ def run_dataloader(files: list[str], cfg: Config, workers: int) -> dict:
 
 # ------------------------------------------------------------------ Ray side
 # Ray passes to compare, by DataContext settings applied before the pass. (The former
-# "ray/parquet-v1" variant is gone: readers.py reads Parquet with pyarrow per row group, so
+# "ray/parquet-v1" variant is gone: formats/units.py reads Parquet with pyarrow per row group, so
 # Ray's Parquet datasource settings no longer change anything.)
 RAY_VARIANTS = {
     "ray": {},
@@ -136,8 +136,8 @@ RAY_VARIANTS = {
 def run_ray(data: str, cfg: Config, cpus: int, context: dict | None = None) -> dict:
     """One inspect_dataset pass on a fresh local cluster, with ``context`` set on the DataContext."""
 
-    from ray_mmbatch.inspection import inspect_dataset
-    from ray_mmbatch.pipeline import set_deterministic
+    from ray_mmbatch.dataflow.inspection import inspect_dataset
+    from ray_mmbatch.dataflow.pipeline import set_deterministic
 
     with _local_ray(cpus) as ctx:
         for k, v in (context or {}).items():
@@ -187,7 +187,7 @@ class ShardedTrainingPath:
     def __iter__(self):
         from torch.utils.data import get_worker_info
 
-        from ray_mmbatch.local import local_batches
+        from ray_mmbatch.dataflow.local import local_batches
 
         info = get_worker_info()
         shard = (info.id, info.num_workers) if info is not None else (0, 1)
@@ -237,8 +237,8 @@ def run_ray_train(cfg: Config, cpus: int) -> dict:
     import json as _json
 
     from ray_mmbatch.batching.collate import decode_batch
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
     from ray_mmbatch.models import configure, token_ids
-    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
 
     with _local_ray(cpus):
         cfg = configure(cfg)

@@ -61,7 +61,7 @@ def make_dataset(root: str, subsets: int, per_subset: int, shard_size: int) -> s
 
 def subset_of_units(cfg: Config) -> tuple[list[int], list[str]]:
     """(subset index per read unit in the listing, subset names)."""
-    from ray_mmbatch.readers import read_units
+    from ray_mmbatch.formats.units import read_units
 
     units = read_units(cfg.data.path, cfg.data)[0]
     names = sorted({u["rel"].split("/")[0] for u in units})
@@ -70,7 +70,7 @@ def subset_of_units(cfg: Config) -> tuple[list[int], list[str]]:
 
 def one_pass(cfg: Config, pad_id: int, epoch: int = 0) -> dict:
     """One epoch through the pipeline: training order as (listing position, unit), speed, holder peak."""
-    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
 
     set_deterministic(True)
     t0 = time.perf_counter()

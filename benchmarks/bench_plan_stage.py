@@ -38,7 +38,7 @@ from ray_mmbatch.config import Config  # noqa: E402
 
 
 def _ray_pass(cfg: Config, pad_id: int) -> dict:
-    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
 
     set_deterministic(True)
     t0 = time.perf_counter()
@@ -61,8 +61,8 @@ def _ray_pass(cfg: Config, pad_id: int) -> dict:
 def _actor_ceiling(measured: dict, cfg: Config, window: int, repeat: int) -> dict:
     import pyarrow as pa
 
-    from ray_mmbatch.payloads import LocalPayloads
-    from ray_mmbatch.stages import CarryPlanStage, light_rows, plan_rows
+    from ray_mmbatch.dataflow.payload_store import LocalPayloads
+    from ray_mmbatch.dataflow.stages import CarryPlanStage, light_rows, plan_rows
 
     n = len(measured[S.SAMPLE_ID])
     nbytes = sum(len(b) for imgs in measured[S.IMAGES] for b in imgs) + \

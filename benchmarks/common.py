@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 
 from ray_mmbatch.config import BudgetConfig, Config
 from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
-from ray_mmbatch.data.sources import parquet_rows
+from ray_mmbatch.formats.parquet import parquet_rows
 
 
 def read_measured(data_dir: str, cfg: Config, tok, fit: BudgetConfig) -> dict:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 
 def local_batches(cfg, limit=None, epoch=0, with_skips=False):
-    """See ray_mmbatch.local.local_batches (imported lazily: the package import stays light)."""
-    from ray_mmbatch.local import local_batches as _local_batches
+    """See ray_mmbatch.dataflow.local.local_batches (imported lazily: the package import stays light)."""
+    from ray_mmbatch.dataflow.local import local_batches as _local_batches
 
     return _local_batches(cfg, limit=limit, epoch=epoch, with_skips=with_skips)
 

@@ -140,7 +140,7 @@ def check_verify(d: Path, device: str = "cuda:0") -> list[dict]:
     import torch
 
     from ray_mmbatch.models import token_ids
-    from ray_mmbatch.verify import verify
+    from ray_mmbatch.run.verify import verify
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False  # Qwen's patch embedding is a Conv3d

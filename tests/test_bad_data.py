@@ -16,8 +16,8 @@ from PIL import Image
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config, DataConfig
-from ray_mmbatch.local import local_batches
-from ray_mmbatch.readers import count_samples, read_units
+from ray_mmbatch.dataflow.local import local_batches
+from ray_mmbatch.formats.units import count_samples, read_units
 
 IMG = S.IMAGE_PLACEHOLDER
 CONV = [{"from": "human", "value": f"{IMG}\nWhat colour is it?"}, {"from": "gpt", "value": "It is red."}]
@@ -227,7 +227,7 @@ def test_llava_ids_and_paths_that_are_not_valid_text(tmp_path):
 
 @pytest.mark.ray
 def test_inspect_counts_skipped_files_as_training_does(ray_cluster, tmp_path):
-    from ray_mmbatch.inspection import inspect_dataset
+    from ray_mmbatch.dataflow.inspection import inspect_dataset
 
     bad = _parquet_with_bad_files(tmp_path)
     cfg = Config()

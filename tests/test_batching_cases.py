@@ -147,10 +147,3 @@ def test_plan_stats_by_hand():
     assert st["occupied_tokens"] == 60 and st["fill"] == pytest.approx(28 / 60)
     assert st["lower_bound_batches"] == 3  # ceil(6 samples / 2) beats ceil(28 / 20)
     assert batch_fill(5, 0) == 0.0
-
-
-def test_batching_core_imports_no_ray():
-    import subprocess
-    import sys
-    code = "import sys, ray_mmbatch.batching; assert 'ray' not in sys.modules and 'torch' not in sys.modules"
-    subprocess.run([sys.executable, "-c", code], check=True)

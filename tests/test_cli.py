@@ -74,7 +74,8 @@ def test_one_command_line_with_the_jobs_flags():
 
 
 def test_quiet_console_drops_ray_noise_and_keeps_the_rest():
-    from ray_mmbatch.console import filter_lines, progress_line
+    from ray_mmbatch.run.progress import progress_line
+    from ray_mmbatch.run.raylogs import filter_lines
 
     lines = [
         "[2026-12-03 07:55:53,186 E 29506 29537] core_worker.cc:2465: Actor with class name: 'X' and ID: 'e1' "
@@ -105,7 +106,7 @@ def test_progress_follows_the_metrics_file(tmp_path):
     import io
     import json
 
-    from ray_mmbatch.console import Progress, summary_table
+    from ray_mmbatch.run.progress import ProgressPrinter, format_summary
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -114,7 +115,7 @@ def test_progress_follows_the_metrics_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")  # an earlier run's line: not shown
     for stream, sep in ((io.StringIO(), "\n"), (Tty(), "\r\033[K")):
-        with Progress(path, max_steps=10, stream=stream, interval=60) as p:
+        with ProgressPrinter(path, max_steps=10, stream=stream, interval=60) as p:
             with open(path, "a") as f:
                 f.write(json.dumps({"step": 5, "loss": 2.0, "lr": 1e-3}) + "\n" + '{"step": 10, "lo')  # half a line
             p.poll()
@@ -123,10 +124,10 @@ def test_progress_follows_the_metrics_file(tmp_path):
         out = stream.getvalue()
         assert out.count(sep) == 2 and "step  5/10" in out and "step 10/10  loss 1.500" in out and "loss 9" not in out
         path.write_text(json.dumps({"step": 1, "loss": 9.0}) + "\n")
-    table = summary_table({"steps": 10, "samples": 50, "skipped": {"missing_file": 2}, "skipped_total": 2,
+    table = format_summary({"steps": 10, "samples": 50, "skipped": {"missing_file": 2}, "skipped_total": 2,
                            "initial_loss": 9.0, "final_loss": 1.5, "checkpoint": "/x/ck"}, tmp_path)
     assert "missing_file 2" in table and str(tmp_path / "summary.json") in table and "/x/ck" in table
     assert "could not be read" not in table
     summary = {"steps": 1, "skipped": {"unreadable_file": 3}, "skipped_total": 3, "skipped_files": 3}
-    table = summary_table(summary, tmp_path)
+    table = format_summary(summary, tmp_path)
     assert "3 could not be read" in table

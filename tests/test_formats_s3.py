@@ -14,7 +14,7 @@ from ray_mmbatch.config import DataConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.measure import measure_batch
 from ray_mmbatch.data.text import tokenizer_for
 from ray_mmbatch.formats.fs import DataLocationError
-from ray_mmbatch.readers import count_samples, read_units
+from ray_mmbatch.formats.units import count_samples, read_units
 from ray_mmbatch.synthetic.generate import generate_dataset
 
 moto_server = pytest.importorskip("moto.server")
@@ -100,7 +100,7 @@ def test_missing_object_is_a_skipped_sample(s3):
 
 @pytest.mark.ray
 def test_ray_read_from_s3_equals_local(ray_cluster, s3):
-    from ray_mmbatch.readers import read_raw
+    from ray_mmbatch.dataflow.read import read_raw
 
     local, remote = s3
     ray_cluster.data.DataContext.get_current().execution_options.preserve_order = True
@@ -113,7 +113,7 @@ def test_ray_read_from_s3_equals_local(ray_cluster, s3):
 
 def test_preflight_and_image_root_in_the_bucket(s3):
     from ray_mmbatch.config import Config
-    from ray_mmbatch.preflight import PreflightError, preflight
+    from ray_mmbatch.run.preflight import PreflightError, preflight
 
     _, remote = s3
     cfg = Config()
@@ -128,7 +128,7 @@ def test_preflight_and_image_root_in_the_bucket(s3):
 @pytest.mark.ray
 def test_inspect_from_s3_equals_local(ray_cluster, s3):
     from ray_mmbatch.config import Config
-    from ray_mmbatch.inspection import inspect_dataset
+    from ray_mmbatch.dataflow.inspection import inspect_dataset
 
     local, remote = s3
     summaries = []

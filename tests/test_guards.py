@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ray_mmbatch.config import Config
-from ray_mmbatch.guards import SKIP_CHECK_MIN_SAMPLES, explain_skips, find_image_folder, skip_fraction_exceeded
-from ray_mmbatch.preflight import PreflightError, preflight
+from ray_mmbatch.run.guards import SKIP_CHECK_MIN_SAMPLES, explain_skips, find_image_folder, skip_fraction_exceeded
+from ray_mmbatch.run.preflight import PreflightError, preflight
 from ray_mmbatch.synthetic.generate import generate_dataset
 
 BIN = Path(sys.executable).parent
@@ -115,7 +115,7 @@ def test_train_command_exits_nonzero_before_any_cluster_work(llava_images_beside
 @pytest.mark.slow
 def test_training_stops_when_the_stream_is_mostly_skipped(ray_cluster, llava_images_beside, tmp_path):
     """No pre-flight (run_training directly): the train loop's guard stops it, the driver explains."""
-    from ray_mmbatch.guards import TooManySkipped
+    from ray_mmbatch.run.guards import TooManySkipped
     from ray_mmbatch.train.trainer import run_training
 
     index, images = llava_images_beside

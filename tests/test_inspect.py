@@ -11,7 +11,7 @@ pytestmark = pytest.mark.ray
 
 
 def test_inspect_llava_with_bad_samples(ray_cluster, tmp_path):
-    from ray_mmbatch.inspection import inspect_dataset
+    from ray_mmbatch.dataflow.inspection import inspect_dataset
 
     manifest = generate_dataset(str(tmp_path / "llava"), 120, "llava", seed=5, shard_size=40, bad_per_kind=1)
     assert len({r for r in manifest["bad"].values()}) >= 10

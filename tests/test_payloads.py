@@ -5,11 +5,11 @@ import os
 
 import pytest
 
-from ray_mmbatch.payloads import LocalPayloads, PayloadLedger
+from ray_mmbatch.dataflow.payload_store import LocalPayloads, PayloadStore
 
 
 def test_ledger_keeps_until_done_then_briefly_for_retries():
-    h = PayloadLedger(recent=2)
+    h = PayloadStore(recent=2)
     assert h.put(["0:0", "0:1", "1:0"], [{"a": 0}, {"a": 1}, {"a": 2}], [10, 10, 10]) == 3
     assert h.put(["0:0"], [{"a": 0}], [10]) == 3  # a retried measure task overwrites, never leaks
     assert h.bytes == 30  # ... nor counts its bytes twice
@@ -24,7 +24,7 @@ def test_ledger_keeps_until_done_then_briefly_for_retries():
 def test_over_the_cap_rows_spill_to_disk_and_come_back_exactly(tmp_path):
     # rows as RayPayloads sends them: pickled bytes (300 random bytes each here)
     img = [os.urandom(300) for _ in range(6)]
-    h = PayloadLedger(cap_bytes=700, recent=1, spill_dir=str(tmp_path))
+    h = PayloadStore(cap_bytes=700, recent=1, spill_dir=str(tmp_path))
     h.put(["0:0", "0:1"], [img[0], img[1]], [300, 300])  # fits: memory
     h.put(["1:0", "1:1"], [img[2], img[3]], [300, 300])  # 1200 > 700: one spill file
     h.put(["2:0"], [img[4]], [300])  # still over: a second file
@@ -48,7 +48,7 @@ def test_over_the_cap_rows_spill_to_disk_and_come_back_exactly(tmp_path):
 
 
 def test_a_retried_put_replaces_a_spilled_row_without_leaking_its_file(tmp_path):
-    h = PayloadLedger(cap_bytes=10, recent=1, spill_dir=str(tmp_path))
+    h = PayloadStore(cap_bytes=10, recent=1, spill_dir=str(tmp_path))
     h.put(["0:0"], [b"first try"], [100])  # spilled
     h.put(["0:0"], [b"retry"], [5])  # the retried task's row fits: the old file goes
     assert h.get(["0:0"]) == [b"retry"] and not list(tmp_path.rglob("*.pkl"))

@@ -49,7 +49,7 @@ def _cfg(path, fmt, **budget) -> Config:
 
 
 def _run(cfg: Config, deterministic: bool = True):
-    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
 
     set_deterministic(deterministic)
     try:
@@ -128,7 +128,7 @@ def test_deterministic_mode_repeats_batches(ray_cluster, bad_webdataset):
 def test_payload_memory_cap_spills_without_changing_batches(ray_cluster, bad_webdataset):
     """A payload cap far below the data (0.5 MB for ~4 MB of images): the holders spill to
     disk, never hold more than the cap in memory, and the batches are the unbounded run's."""
-    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
 
     path, _ = bad_webdataset
     cfg = _cfg(path, "webdataset", mode="pack", max_tokens=2048)
@@ -150,7 +150,7 @@ def test_payload_memory_cap_spills_without_changing_batches(ray_cluster, bad_web
 
 def test_resume_filter_drops_consumed_samples_before_planning(ray_cluster, bad_webdataset):
     from ray_mmbatch.data.position import DataPosition
-    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
 
     path, _ = bad_webdataset
     cfg = _cfg(path, "webdataset", mode="pack", max_tokens=2048)
@@ -199,7 +199,7 @@ def test_restarted_carry_actor_fails_loudly(ray_cluster):
     """A plan actor that Ray restarted has lost its carry: it must raise, not go on short."""
     import ray
 
-    from ray_mmbatch.stages import CarryPlanStage
+    from ray_mmbatch.dataflow.stages import CarryPlanStage
 
     @ray.remote(max_restarts=1, max_task_retries=0)
     class Host:
@@ -241,7 +241,7 @@ def test_every_epoch_is_shuffled_by_default_and_seeded(ray_cluster, bad_datasets
     """The default order is no trace of the listing in epoch 0 already; the same seed repeats
     it, another epoch or seed changes it; --shuffle none keeps file order (debugging)."""
     from ray_mmbatch.batching.mixing import rank_correlation
-    from ray_mmbatch.pipeline import batch_dataset
+    from ray_mmbatch.dataflow.pipeline import batch_dataset
 
     path, _ = bad_datasets(fmt)
     cfg = _cfg(path, fmt, mode="pack", max_tokens=2048)
@@ -264,7 +264,7 @@ def test_every_epoch_is_shuffled_by_default_and_seeded(ray_cluster, bad_datasets
 
 def test_local_batches_follow_the_ray_paths_order(ray_cluster, bad_webdataset):
     """In-process and Ray give the same batches in the same order (shuffled, deterministic mode)."""
-    from ray_mmbatch.local import local_batches
+    from ray_mmbatch.dataflow.local import local_batches
     from ray_mmbatch.models import configure
 
     path, _ = bad_webdataset

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from ray_mmbatch.config import Config, apply_overrides
-from ray_mmbatch.pools import ResourceError, alive_nodes, check_fits, pool_sizes
+from ray_mmbatch.dataflow.pools import ResourceError, alive_nodes, check_fits, pool_sizes
 
 
 def _nodes(*specs) -> list[dict]:

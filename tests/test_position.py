@@ -46,7 +46,7 @@ def test_listing_digest_follows_the_units_not_the_mount_and_a_changed_listing_re
     import shutil
 
     from ray_mmbatch.config import DataConfig
-    from ray_mmbatch.readers import check_listing, listing_digest, read_units
+    from ray_mmbatch.formats.units import check_listing, listing_digest, read_units
     from ray_mmbatch.synthetic.generate import generate_dataset
 
     generate_dataset(str(tmp_path / "a"), 30, "parquet", seed=1, shard_size=10, workers=1)

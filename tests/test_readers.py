@@ -10,7 +10,8 @@ import pytest
 
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
-from ray_mmbatch.readers import read_raw, resolve_files
+from ray_mmbatch.dataflow.read import read_raw
+from ray_mmbatch.formats.units import resolve_files
 from ray_mmbatch.synthetic import bad_samples
 from ray_mmbatch.synthetic.generate import _build, generate_dataset, plan_entries
 
@@ -100,7 +101,7 @@ def test_parquet_custom_columns_without_id_uses_file_and_row(ray_cluster, tmp_pa
 @pytest.mark.parametrize("key", ["parquet", "caption", "webdataset", "llava"])
 def test_count_samples_matches_what_is_read(datasets, key):
     """count_samples (footers / record list / tar headers, no image read) = the rows read_raw yields."""
-    from ray_mmbatch.readers import count_samples
+    from ray_mmbatch.formats.units import count_samples
 
     manifest = json.loads((datasets[key] / "manifest.json").read_text())
     assert count_samples(str(datasets[key]), CAPTION_CFG if key == "caption" else DataConfig()) == \

@@ -2,7 +2,7 @@
 
 The run dir is written the way the training loop writes it (schema.RUN_*), with
 numpy-made values shaped like a real 2-rank pack-mode run, so the expected
-numbers are computed here independently of ray_mmbatch.report.
+numbers are computed here independently of ray_mmbatch.run.report.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ray_mmbatch import schema
-from ray_mmbatch.report import FIGURES, REPORT_HTML, REPORT_JSON, make_report
+from ray_mmbatch.run.report import FIGURES, REPORT_HTML, REPORT_JSON, make_report
 
 REPO = Path(__file__).resolve().parents[1]
 SKIPS = [("s-0003", schema.SKIP_CORRUPT_IMAGE, "truncated JPEG"), ("s-0017", schema.SKIP_MISSING_FILE, "a/b.png"),
@@ -167,7 +167,7 @@ def test_missing_plotly_is_a_clear_error(tmp_path):
     write_fake_run(tmp_path, steps=3)
     # A fresh interpreter where importing plotly fails, as on an install without the extra.
     code = ("import sys; sys.modules['plotly'] = None\n"
-            "from ray_mmbatch.report import make_report\n"
+            "from ray_mmbatch.run.report import make_report\n"
             f"make_report({str(tmp_path)!r})\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode != 0 and "pip install 'ray_mmbatch[report]'" in proc.stderr

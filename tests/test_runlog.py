@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from ray_mmbatch.runlog import read_jsonl, write_jsonl
+from ray_mmbatch.run.rundir import read_jsonl, write_jsonl
 
 
 def test_torn_last_line_is_dropped_and_complete_records_kept(tmp_path):
@@ -26,7 +26,7 @@ def test_the_driver_writes_the_ranks_events_and_a_restore_undoes_later_steps(tmp
     """runlog.RunWriter: appends in arrival order, trim to the restored step (skip records kept),
     trim(0) clears an old run's logs, 'stopped' writes the guard's file."""
     from ray_mmbatch import schema as S
-    from ray_mmbatch.runlog import RunWriter, read_jsonl
+    from ray_mmbatch.run.rundir import RunWriter, read_jsonl
 
     w = RunWriter(tmp_path, "stopped.json")
     (tmp_path / S.RUN_METRICS).write_text('{"step": 99}\n')  # an earlier run in this dir

@@ -1,7 +1,6 @@
 """Pure format adapters (ray_mmbatch/formats): Parquet tables, tar shards and LLaVA records -> RAW rows (no Ray)."""
 from __future__ import annotations
 
-import ast
 import io
 import json
 import os
@@ -13,14 +12,18 @@ import pytest
 
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
-from ray_mmbatch.data import sources
-from ray_mmbatch.data.sources import webdataset_samples
 from ray_mmbatch.formats import fs as formats_fs
+from ray_mmbatch.formats import webdataset
 from ray_mmbatch.formats.llava import llava_rows, resolve_image_path
 from ray_mmbatch.formats.parquet import parquet_rows
-from ray_mmbatch.formats.records import conversations_to_json
+from ray_mmbatch.formats.records import RAW_ARROW_SCHEMA, conversations_to_json
 
 CONV = [{"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A cat."}]
+
+
+def webdataset_samples(tar: bytes, shard_name: str) -> list[dict]:
+    """RAW rows of one tar shard given as bytes (ids ``<shard_name>/<key>``)."""
+    return webdataset.rows_of_stream(io.BytesIO(tar), shard_name, DataConfig())
 
 
 def test_conversations_validated_and_normalized():
@@ -43,7 +46,7 @@ def test_lone_surrogate_survives_as_escaped_json():
 
 
 def _rows(table: pa.Table) -> list[dict]:
-    assert table.schema == sources.RAW_ARROW_SCHEMA
+    assert table.schema == RAW_ARROW_SCHEMA
     return table.to_pylist()
 
 
@@ -179,15 +182,3 @@ def test_resolve_image_path_never_accepts_escapes(llava_root: Path):
         assert path is None and err.startswith(schema.SKIP_PATH_OUTSIDE_ROOT), ref
     path, err = resolve_image_path("images/./a.jpg", str(llava_root))
     assert err == "" and path == os.path.realpath(llava_root / "images" / "a.jpg")
-
-
-def test_pure_modules_do_not_import_ray():
-    pkg = Path(sources.__file__).parent
-    files = [pkg / "sources.py"] + sorted((pkg.parent / "synthetic").glob("*.py"))
-    files += sorted(Path(formats_fs.__file__).parent.glob("*.py"))
-    for path in files:
-        name = path.name
-        tree = ast.parse(path.read_text())
-        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "ray" not in imported and "torch" not in imported, name

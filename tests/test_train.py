@@ -84,7 +84,7 @@ def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet,
     assert partial and len(partial) == len(set(partial))
     # the position records which listing its unit indices count; a re-run over another listing
     # (here: the same files plus one more, elsewhere) stops before training, naming the cause
-    from ray_mmbatch.readers import listing_digest, read_units
+    from ray_mmbatch.formats.units import listing_digest, read_units
     from ray_mmbatch.train.checkpoint import read_latest_position
 
     cfg = _cfg(data, out)

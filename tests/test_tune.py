@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parquet_dataset, tmp_path):
-    from ray_mmbatch.tune import format_table, tune_budgets
+    from ray_mmbatch.run.tune import format_table, tune_budgets
 
     base = Config()
     base.data.path, base.data.format = str(small_parquet_dataset), "parquet"

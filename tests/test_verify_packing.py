@@ -48,7 +48,7 @@ def test_verify_flags_a_feed_that_leaks_across_samples(qwen_run):
 
     from ray_mmbatch import hf, local_batches
     from ray_mmbatch.models import token_ids
-    from ray_mmbatch.verify import verify
+    from ray_mmbatch.run.verify import verify
 
     ck, data = qwen_run
     cfg = hf.config_from_checkpoint(str(ck))

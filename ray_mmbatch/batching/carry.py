@@ -25,7 +25,7 @@ never holds more than ``carry * window`` samples, and a sample waits at most
 Lossless by construction: every sample fed comes out exactly once, in a batch
 planned (and checked) by the same registry planner. What the caller must
 guarantee is that ``flush()`` is called when the stream ends (the Ray stage
-sees an end-of-stream marker row, see end_of_stream.py); a ``feed`` after ``flush``
+sees an end-of-stream marker row, see formats/end_of_stream.py); a ``feed`` after ``flush``
 holds nothing back, so a late window is planned on its own, never lost.
 
 Batch scores are vectorized with reduceat, so carrying costs about one extra planning pass

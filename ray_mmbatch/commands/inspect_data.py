@@ -28,10 +28,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     cfg = config_from_args(args)
     if not cfg.data.path:
         parser.error("--data is required")
-    from ray_mmbatch import console
-    from ray_mmbatch.preflight import PreflightError, TooManySkippedAtStart, preflight
+    from ray_mmbatch.run.preflight import PreflightError, TooManySkippedAtStart, preflight
+    from ray_mmbatch.run.raylogs import quiet_ray
 
-    console.quiet_ray(args.verbose)
+    quiet_ray(args.verbose)
     warning = ""
     try:
         preflight(cfg)
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except PreflightError as e:
         print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
         return 2
-    from ray_mmbatch.inspection import inspect_dataset
+    from ray_mmbatch.dataflow.inspection import inspect_dataset
     from ray_mmbatch.train.trainer import connect
 
     connect()

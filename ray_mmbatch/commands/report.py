@@ -23,7 +23,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from ray_mmbatch.report import REPORT_HTML, REPORT_JSON, make_report
+    from ray_mmbatch.run.report import REPORT_HTML, REPORT_JSON, make_report
 
     args = build_parser(prog).parse_args(argv)
     try:

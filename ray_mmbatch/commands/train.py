@@ -38,14 +38,15 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
-    from ray_mmbatch import console
+    from ray_mmbatch.run.progress import ProgressPrinter, format_summary
+    from ray_mmbatch.run.raylogs import quiet_ray
 
-    console.quiet_ray(args.verbose, own_progress=True)
+    quiet_ray(args.verbose, own_progress=True)
     cfg = config_from_args(args)
     ensure_demo_data(cfg)
-    from ray_mmbatch.guards import TooManySkipped
-    from ray_mmbatch.pools import ResourceError
-    from ray_mmbatch.preflight import PreflightError, preflight
+    from ray_mmbatch.dataflow.pools import ResourceError
+    from ray_mmbatch.run.guards import TooManySkipped
+    from ray_mmbatch.run.preflight import PreflightError, preflight
 
     try:
         seen = preflight(cfg)
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     out = Path(cfg.train.output_dir).resolve()
     print(f"[train] training -> {out} (Ray logs keep everything; --verbose shows them here)", flush=True)
     try:
-        with console.Progress(out / "metrics.jsonl", cfg.train.max_steps):
+        with ProgressPrinter(out / "metrics.jsonl", cfg.train.max_steps):
             summary = run_training(cfg)
     except TooManySkipped as e:
         print(f"[train] error: {e}", file=sys.stderr, flush=True)
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
               f"[train] Ray's logs: /tmp/ray/session_latest/logs (on a cluster, the head node's)",
               file=sys.stderr, flush=True)
         raise
-    print("[train] done\n" + console.summary_table(summary, out), flush=True)
+    print("[train] done\n" + format_summary(summary, out), flush=True)
     return 0
 
 

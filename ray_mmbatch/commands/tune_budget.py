@@ -38,11 +38,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
-    from ray_mmbatch import console
     from ray_mmbatch.commands.train import ensure_demo_data
-    from ray_mmbatch.preflight import PreflightError, preflight
+    from ray_mmbatch.run.preflight import PreflightError, preflight
+    from ray_mmbatch.run.raylogs import quiet_ray
 
-    console.quiet_ray(args.verbose)
+    quiet_ray(args.verbose)
     cfg = config_from_args(args)
     ensure_demo_data(cfg)  # same demo data as the train command
     try:
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                             ("budget.max_patches", args.max_patches_grid, int)):
         if text:
             space[key] = _grid(text, cast)
-    from ray_mmbatch.tune import format_table, grid, tune_budgets
+    from ray_mmbatch.run.tune import format_table, grid, tune_budgets
 
     settings = grid(space)
     print(f"[tune] {len(settings)} trials, {args.warmup_steps}+{args.steps} steps each -> {Path(args.out).resolve()}",

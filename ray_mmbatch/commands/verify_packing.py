@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     from ray_mmbatch import local_batches
     from ray_mmbatch.models import configure, get_backend, token_ids
-    from ray_mmbatch.verify import verify
+    from ray_mmbatch.run.verify import verify
 
     cfg = configure(cfg)
     ids = token_ids(cfg)

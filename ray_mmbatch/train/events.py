@@ -10,7 +10,7 @@ disks and the driver, on the head, showed no progress and summed no skips. Now:
 - one small ``RunChannel`` actor (no CPU slot, on the head node: it lives as long as the
   cluster does, whatever node is preempted) queues them;
 - the driver drains the queue twice a second (``follow``) into ``runlog.RunWriter``, the
-  one writer of the run dir. ``console.Progress`` follows the metrics file it writes.
+  one writer of the run dir. ``run.progress.ProgressPrinter`` follows the metrics file it writes.
 
 Rank 0 sends a ``trim`` to the restored step (waited for) before any rank can send a
 newer record: the first all-reduce of the step loop orders them.
@@ -23,7 +23,7 @@ from typing import Any
 
 import ray
 
-from ray_mmbatch.runlog import RunWriter
+from ray_mmbatch.run.rundir import RunWriter
 
 HEAD_RESOURCE = "node:__internal_head__"
 

@@ -174,7 +174,7 @@ class Runner:
     def _guard(self, guard: list[int], at_end: bool) -> bool:
         """Stop (all ranks agree: the counts are all-reduced) when too many samples are skipped;
         the driver explains it from skipped.csv (guards.py)."""
-        from ray_mmbatch.guards import skip_fraction_exceeded
+        from ray_mmbatch.run.guards import skip_fraction_exceeded
 
         if skip_fraction_exceeded(guard[0], guard[1], self.cfg.data.max_skip_fraction, at_end=at_end):
             self.aborted = f"{guard[1]} of {guard[0]} samples skipped"

@@ -20,7 +20,7 @@ from ray.train import DataConfig
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
 from ray_mmbatch.formats import fs
-from ray_mmbatch.runlog import read_jsonl, write_jsonl
+from ray_mmbatch.run.rundir import read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 
 
@@ -82,9 +82,9 @@ def connect(num_cpus: int | None = None) -> None:
         ray.init("local", num_cpus=max(num_cpus or 0, os.cpu_count() or 2, 8), include_dashboard=False, **kw)
     # progress bars only for a person at a terminal; logs stay readable
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
-    from ray_mmbatch.console import after_connect
+    from ray_mmbatch.run.raylogs import after_connect
 
-    after_connect()  # a command's quiet console: Ray's internal lines off (console.py)
+    after_connect()  # a command's quiet console: Ray's internal lines off (run/raylogs.py)
 
 
 def tokenizer_ids(cfg: Config) -> dict[str, int]:
@@ -114,7 +114,7 @@ def _finish_logs(out: Path) -> dict[str, int]:
 def planned_samples(cfg: Config) -> int:
     """Rows to be read over the whole run (epochs x samples read per epoch) when it goes by
     epochs, for the learning-rate schedule; 0 with max_steps (the schedule uses the steps)."""
-    from ray_mmbatch.readers import count_samples
+    from ray_mmbatch.formats.units import count_samples
 
     if cfg.train.max_steps:
         return 0
@@ -133,7 +133,7 @@ def _worker_resources(cfg: Config) -> dict[str, float]:
 def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
     """``build_trainer(...).fit()``, the ranks' records written under OUTPUT_DIR by this process
     (train/events.py: through Ray, so no shared disk is needed for progress and summary)."""
-    from ray_mmbatch.guards import STOPPED_FILE
+    from ray_mmbatch.run.guards import STOPPED_FILE
     from ray_mmbatch.train.events import follow
 
     check_output_locations(cfg)
@@ -145,9 +145,9 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.formats.units import check_listing, listing_digest, read_units
     from ray_mmbatch.models import configure, token_ids
-    from ray_mmbatch.pipeline import batch_dataset, set_deterministic
-    from ray_mmbatch.readers import check_listing, listing_digest, read_units
     from ray_mmbatch.train.loop import train_loop_per_worker
 
     cfg = configure(cfg)  # a checkpoint's image / text settings, before the data path is built
@@ -237,8 +237,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
     """Train; return and write OUTPUT_DIR/summary.json."""
     t0 = time.time()
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
-    from ray_mmbatch.guards import STOPPED_FILE, TooManySkipped
-    from ray_mmbatch.pipeline import pools_for
+    from ray_mmbatch.dataflow.pipeline import pools_for
+    from ray_mmbatch.run.guards import STOPPED_FILE, TooManySkipped
 
     stopped = Path(cfg.train.output_dir) / STOPPED_FILE
     stopped.unlink(missing_ok=True)  # from an earlier run in this dir
@@ -277,7 +277,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
 
 def _explain_stop(cfg: Config, out: Path, stop: dict[str, int]) -> str:
     """Why the skip guard stopped the run: its reasons and fixes, from the merged skipped.csv."""
-    from ray_mmbatch.guards import explain_skips
+    from ray_mmbatch.run.guards import explain_skips
 
     with open(out / S.RUN_SKIPPED, newline="") as f:
         records = [(r["sample_id"], f"{r['reason']}: {r['detail']}") for r in csv.DictReader(f)]

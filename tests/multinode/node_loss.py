@@ -34,7 +34,7 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
 
     from ray_mmbatch import schema as S
     from ray_mmbatch.config import Config
-    from ray_mmbatch.console import Progress
+    from ray_mmbatch.run.progress import ProgressPrinter
     from ray_mmbatch.train.trainer import run_training
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
@@ -56,7 +56,7 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
 
     def train() -> None:
         try:
-            with Progress(out / S.RUN_METRICS, max_steps=0, stream=console, interval=0.2):
+            with ProgressPrinter(out / S.RUN_METRICS, max_steps=0, stream=console, interval=0.2):
                 result["summary"] = run_training(cfg)
         except BaseException as e:  # reported by the main thread
             result["error"] = e

@@ -16,8 +16,8 @@ def main(data: str, data_cpus: int) -> None:
 
     from ray_mmbatch import schema as S
     from ray_mmbatch.config import Config
-    from ray_mmbatch.pipeline import batch_dataset, pools_for, set_deterministic
-    from ray_mmbatch.pools import ResourceError
+    from ray_mmbatch.dataflow.pipeline import batch_dataset, pools_for, set_deterministic
+    from ray_mmbatch.dataflow.pools import ResourceError
     from ray_mmbatch.train.trainer import tokenizer_ids
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})

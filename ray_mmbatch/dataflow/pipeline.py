@@ -2,7 +2,7 @@
 
 ::
 
-    read_raw (readers.py)            RAW rows, bytes only, each with its read position (unit, row),
+    read_raw (read.py)               RAW rows, bytes only, each with its read position (unit, row),
                                      units in the epoch's seeded order (--shuffle); + one end-of-stream
                                      row when the plan stage shuffles or carries. Resume: units the epoch
                                      finished are not read, done rows of units in flight are dropped
@@ -20,7 +20,7 @@
       .repartition(1 row per block)  so Train's split can hand batches to ranks one by one
 
 The stage objects and their pure glue live in stages.py (local.py runs the same ones in
-one process); the end-of-stream row in end_of_stream.py; where measured rows wait, in
+one process); the end-of-stream row in formats/end_of_stream.py; where measured rows wait, in
 payloads.py; the data check (inspect job), in inspection.py. `budget.carry = 0` with
 `--shuffle units|none` plans every window on its own with a stateless task (plan_rows) and no end row. Fill per
 window size, with and without carry: benchmarks/bench_packing.py (benchmarks/RESULTS.md).
@@ -33,8 +33,8 @@ from typing import Any
 import ray
 
 from ray_mmbatch.config import Config
-from ray_mmbatch.pools import PLAN_CPUS
-from ray_mmbatch.stages import (
+from ray_mmbatch.dataflow.pools import PLAN_CPUS
+from ray_mmbatch.dataflow.stages import (
     CarryPlanStage,
     MaterializeStage,
     MeasureStage,
@@ -66,7 +66,7 @@ def pools_for(cfg: Config, check: bool = False):
     an empty cluster. ``check``: raise pools.ResourceError when they cannot be placed (the driver's
     pre-flight). A stream rebuilt after a node loss does not check: the node may be coming back,
     and a stream that never gets its actors ends at data.stall_timeout_s (train/stall.py)."""
-    from ray_mmbatch.pools import alive_nodes, check_fits, pool_sizes
+    from ray_mmbatch.dataflow.pools import alive_nodes, check_fits, pool_sizes
 
     nodes = alive_nodes(ray.nodes()) if ray.is_initialized() else []
     sizes = pool_sizes(cfg, nodes)
@@ -84,7 +84,8 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     what this epoch trained already, left out at read.
     ``payloads``: LIGHT rows out, the measured rows left in that store (see MeasureStage).
     """
-    from ray_mmbatch.readers import read_raw, read_units
+    from ray_mmbatch.dataflow.read import read_raw
+    from ray_mmbatch.formats.units import read_units
 
     listing = listing or read_units(cfg.data.path, cfg.data)
     order = epoch_unit_order(len(listing[0]), cfg.data, cfg.train.seed, epoch)
@@ -110,8 +111,8 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     (dataset, the payload store) to read the holders' ``stats()`` after the pass.
     """
     from ray_mmbatch.data.position import DataPosition
-    from ray_mmbatch.payloads import RayPayloads
-    from ray_mmbatch.readers import check_listing, listing_digest, read_units
+    from ray_mmbatch.dataflow.payloads import RayPayloads
+    from ray_mmbatch.formats.units import check_listing, listing_digest, read_units
 
     done = DataPosition.from_state(position).epochs.get(epoch)
     stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries

@@ -8,7 +8,8 @@ error schema.END_OF_STREAM) that rides through measure as a skipped row, and the
 stage takes it out with ``split_marker`` and flushes. It is never batched or reported.
 With preserve_order (deterministic mode) it is the last row; if it comes early the
 planner holds nothing after it, so arrival order can change fill, never which samples
-arrive. Used by readers.py (Ray), local.py (in-process) and stages.py (the plan stage).
+arrive. Used by units.py and dataflow/read.py (reading), dataflow/local.py (in-process) and
+dataflow/stages.py (the plan stage).
 """
 from __future__ import annotations
 

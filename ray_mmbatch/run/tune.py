@@ -22,7 +22,7 @@ from typing import Any
 from ray import tune
 
 from ray_mmbatch.config import Config, apply_overrides, save_config
-from ray_mmbatch.runlog import read_jsonl
+from ray_mmbatch.run.rundir import read_jsonl
 
 
 def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:

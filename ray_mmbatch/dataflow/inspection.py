@@ -12,7 +12,7 @@ import ray
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config, ImageConfig, TextConfig
-from ray_mmbatch.pipeline import stage_args
+from ray_mmbatch.dataflow.pipeline import stage_args
 
 
 def _reason_key(reason: str) -> str:
@@ -117,7 +117,7 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
     """read -> measure -> materialize every sample; a JSON-able summary for choosing budgets."""
     import time
 
-    from ray_mmbatch.readers import read_raw
+    from ray_mmbatch.dataflow.read import read_raw
 
     t0 = time.perf_counter()
     workers = inspect_workers(cfg)

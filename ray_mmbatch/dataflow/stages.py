@@ -8,7 +8,7 @@ pipeline.py wires them into Ray Data; local.py runs the same objects in one proc
     CarryPlanStage      windows of LIGHT rows -> (seeded shuffle buffer, batching/shuffle.py) ->
                         PLAN rows (ids, payload keys), under-filled batches held back into the
                         next window (batching/carry.py); the window holding the end-of-stream
-                        row (end_of_stream.py) flushes what the buffer and the carry hold
+                        row (formats/end_of_stream.py) flushes what the buffer and the carry hold
     plan_rows           the same for carry 0: each window planned on its own, stateless
     MaterializeStage    PLAN row -> BATCH row: fetch the payloads, decode + resize + patchify,
                         collate, encode; then release the payloads
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from typing import Any
 
 import numpy as np
-import ray
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, DataConfig, ImageConfig, TextConfig
@@ -143,7 +143,7 @@ def _position(row: dict) -> tuple[int, int]:
 def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[list], str, bool]:
     """(usable rows, [id, reason, position, unit rows] of skipped rows, window key, end-of-stream
     seen) of one window."""
-    from ray_mmbatch.end_of_stream import split_marker
+    from ray_mmbatch.formats.end_of_stream import split_marker
 
     rows, end = split_marker(_rows(batch))
     window_key = str(rows[0][S.SAMPLE_ID]) if rows else ("end" if end else "empty")
@@ -215,7 +215,8 @@ class CarryPlanStage:
         self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
         self.buffer = ShuffleBuffer(shuffle_buffer, seed or 0, epoch)
         self.pending: list[dict] = []  # rows out of the buffer, planned once a whole window is here
-        ctx = ray.get_runtime_context() if ray.is_initialized() else None
+        ray = sys.modules.get("ray")  # loaded in a Ray actor; in-process (local.py) there is no actor to restart
+        ctx = ray.get_runtime_context() if ray is not None and ray.is_initialized() else None
         self.restarted = bool(ctx is not None and ctx.get_actor_id() and ctx.was_current_actor_reconstructed)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, list]:

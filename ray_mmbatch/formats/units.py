@@ -1,15 +1,13 @@
-"""Ray Data readers: a dataset location -> a Dataset of RAW rows (schema.RAW_COLUMNS).
+"""Read units: the listing of a dataset location and reading one unit, with read positions.
 
-The Ray shell over formats/ (one module per format behind a registry; paths or URIs of
-any pyarrow filesystem): ``read_units`` lists the read units (row groups, tar shards,
-LLaVA JSON chunks) in sorted order, ``read_raw`` hands them to ray.data.from_items and
-reads each with one map_batches call, so the unit order is ours: ``order`` lists the
-units in the epoch's order (batching/shuffle.unit_order), and ``end_marker`` appends the end-of-stream unit
-(end_of_stream.py; with DataContext.execution_options.preserve_order its row is the last
-out). With preserve_order the row order is the same every run. Read functions
-return Arrow tables with a fixed schema, so a block of text-only rows still has
-list<binary> images. Ray workers build their filesystem clients from the same
-environment (AWS_* etc.) the driver's cluster was started with.
+Pure (no Ray): the functions both the Ray path (dataflow/read.py: one Ray task per unit) and
+the in-process path (dataflow/local.py) run. ``read_units`` lists the read units (row groups,
+tar shards, LLaVA JSON chunks) in sorted order; ``listing_digest`` names that listing in a
+checkpoint and ``check_listing`` refuses a resume over another one; ``read_with_position``
+reads units with each row's read position (schema.READ_POSITION_COLUMNS) and leaves out what
+an epoch already trained; ``count_samples`` counts rows without reading images. Read
+functions return Arrow tables with a fixed schema, so a block of text-only rows still has
+list<binary> images.
 """
 from __future__ import annotations
 
@@ -18,17 +16,11 @@ import json
 import zlib
 
 import pyarrow as pa
-import ray
 
 from ray_mmbatch import formats, schema
 from ray_mmbatch.config import DataConfig
-from ray_mmbatch.end_of_stream import END_UNIT, marker_table, with_end_unit
-from ray_mmbatch.formats import llava
+from ray_mmbatch.formats.end_of_stream import END_UNIT, marker_table
 from ray_mmbatch.formats.records import rows_to_table
-
-FORMATS = tuple(formats.FORMATS)
-LLAVA_INDEX_NAMES = llava.INDEX_NAMES
-LLAVA_CHUNK = llava.CHUNK
 
 
 def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[str]]:
@@ -44,14 +36,6 @@ def read_unit_table(units: pa.Table, fmt: str, data_cfg: DataConfig) -> pa.Table
         tables.append(marker_table() if end else
                       formats.read_units_table(units.slice(i, 1).drop_columns([END_UNIT]), fmt, data_cfg))
     return pa.concat_tables(tables) if tables else rows_to_table([])
-
-
-def _units_dataset(units: list[dict], blocks: int | None, order: list[int] | None,
-                   end_marker: bool) -> ray.data.Dataset:
-    """Read units -> a from_items Dataset in ``order`` (listing indices; None = listing order),
-    optionally + the end-marker unit."""
-    units = with_end_unit([units[i] for i in (range(len(units)) if order is None else order)], end_marker)
-    return ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
 
 
 def read_units(path: str, data_cfg: DataConfig):
@@ -114,26 +98,6 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -
             .append_column(schema.UNIT_ROW, pa.array([], pa.int64())) \
             .append_column(schema.UNIT_ROWS, pa.array([], pa.int64()))
     return pa.concat_tables(tables)
-
-
-def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
-             order: list[int] | None = None, end_marker: bool = False, done=None,
-             listing: tuple | None = None) -> ray.data.Dataset:
-    """A Dataset of RAW rows (schema.RAW_COLUMNS + READ_POSITION_COLUMNS) for a Parquet / WebDataset / LLaVA path.
-
-    ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
-    *.tar -> webdataset; a single file by its extension. ``order``: the units' read order
-    (listing indices, batching/shuffle.unit_order; None = listing order); ``end_marker``
-    appends the end-of-stream row (see the module docstring); ``done`` (resume) leaves out what
-    an epoch already trained (see read_with_position); ``listing``: what ``read_units`` returned,
-    when the caller listed already.
-    """
-    units, read_fn, kwargs = listing or read_units(path, data_cfg)
-    units = [dict(u, **{schema.UNIT: i}) for i, u in enumerate(units)]  # index in the sorted listing
-    ds = _units_dataset(units, override_num_blocks, order, end_marker)
-    ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done},
-                        batch_format="pyarrow", batch_size=1)
-    return ds.select_columns(list(schema.RAW_COLUMNS + schema.READ_POSITION_COLUMNS))
 
 
 def count_samples(path: str, data_cfg: DataConfig) -> int:

@@ -19,7 +19,7 @@ import copy
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
-from ray_mmbatch.guards import explain_skips, skip_fraction_exceeded
+from ray_mmbatch.run.guards import explain_skips, skip_fraction_exceeded
 
 PREFLIGHT_SAMPLES = 64
 
@@ -37,7 +37,7 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
 
     Returns what it saw: {"format", "files", "samples_checked", "skipped"}.
     """
-    from ray_mmbatch.readers import resolve_files
+    from ray_mmbatch.formats.units import resolve_files
 
     d = cfg.data
     if not d.path:
@@ -88,7 +88,7 @@ def _first_rows(cfg: Config, n: int, fmt: str) -> list[dict]:
 
     from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
     from ray_mmbatch.data.text import tokenizer_for
-    from ray_mmbatch.readers import read_units
+    from ray_mmbatch.formats.units import read_units
 
     try:
         units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)

@@ -23,9 +23,9 @@ from ray_mmbatch.config import Config
 
 def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1),
               epoch: int = 0) -> Iterator[dict[str, Any]]:
-    from ray_mmbatch.end_of_stream import with_end_unit
-    from ray_mmbatch.readers import read_units, read_with_position
-    from ray_mmbatch.stages import epoch_unit_order
+    from ray_mmbatch.dataflow.stages import epoch_unit_order
+    from ray_mmbatch.formats.end_of_stream import with_end_unit
+    from ray_mmbatch.formats.units import read_units, read_with_position
 
     units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
     index, count = shard
@@ -54,7 +54,7 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 def _measured_rows(cfg: Config, end_marker: bool, payloads, shard: tuple[int, int] = (0, 1),
                    epoch: int = 0) -> Iterator[dict]:
-    from ray_mmbatch.stages import MeasureStage
+    from ray_mmbatch.dataflow.stages import MeasureStage
 
     stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch)
     for batch in _chunks(_raw_rows(cfg, end_marker, shard, epoch), max(1, cfg.data.measure_batch)):
@@ -77,9 +77,15 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     if not (0 <= shard[0] < shard[1]):
         raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard!r}")
     from ray_mmbatch.batching.collate import decode_batch
+    from ray_mmbatch.dataflow.payload_store import LocalPayloads
+    from ray_mmbatch.dataflow.stages import (
+        CarryPlanStage,
+        MaterializeStage,
+        plan_rows,
+        shuffle_buffer_size,
+        uses_plan_actor,
+    )
     from ray_mmbatch.models import configure, token_ids
-    from ray_mmbatch.payloads import LocalPayloads
-    from ray_mmbatch.stages import CarryPlanStage, MaterializeStage, plan_rows, shuffle_buffer_size, uses_plan_actor
 
     cfg = configure(copy.deepcopy(cfg))
     if not cfg.data.path:

@@ -1,0 +1,13 @@
+"""The Ray shell of the data path: the Ray Data graph over the pure core, and its in-process twin.
+
+    pipeline.py       the Ray Data graph: read -> measure -> plan -> materialize (one BATCH row per batch)
+    read.py           read units as Ray tasks (formats/units.py does the listing and the reading)
+    stages.py         the stage objects (measure, plan, materialize): plain callables, no Ray
+    payloads.py       the payload holder actors (payload_store.py: their pure store, and LocalPayloads)
+    pools.py          actor pool sizes from the cluster's nodes, and the resource pre-flight
+    inspection.py     the inspect job (every sample read, measured and materialized, counted)
+    local.py          local_batches: the same stages in one process, no Ray
+
+stages.py, payload_store.py, pools.py and local.py import no Ray (tests/test_pure_imports.py
+runs local_batches without loading it); the rest is Ray's.
+"""

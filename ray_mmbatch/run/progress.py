@@ -1,0 +1,166 @@
+"""What a run prints of its own: one progress line per training report, and the summary at the end.
+
+``ProgressPrinter`` follows OUTPUT_DIR/metrics.jsonl (which the driver writes from what rank 0
+sends through Ray, train/events.py) and prints one line per report, or redraws one line when
+stdout is a terminal; ``format_summary`` is the end-of-run table. Pure (no Ray).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def _fmt_time(s: float | None) -> str:
+    if s is None or s != s or s < 0:
+        return "--:--"
+    s = int(round(s))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m:02d}:{sec:02d}"
+
+
+def _fmt_num(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.2f}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.1f}k"
+    return f"{x:.0f}"
+
+
+def done_share(m: dict[str, Any], max_steps: int) -> float | None:
+    """How much of the run a report says is done: steps over max_steps, else the share of the data."""
+    if max_steps:
+        return min(1.0, int(m.get("step", 0)) / max_steps)
+    share = m.get("progress")
+    return None if share is None else min(1.0, float(share))
+
+
+def progress_line(m: dict[str, Any], max_steps: int, elapsed: float, eta: float | None = None) -> str:
+    """One report as a line: step/total (or share of the data), loss, lr, tokens/s, fill, data wait, memory, time.
+
+    ``eta``: seconds left (default: the elapsed time scaled by the share done)."""
+    step = int(m.get("step", 0))
+    done = done_share(m, max_steps)
+    if max_steps:
+        where = f"step {step:>{len(str(max_steps))}}/{max_steps}"
+    else:
+        where = f"step {step}" + (f" ({100 * done:4.1f}% of data)" if done is not None else "")
+    if eta is None and done:
+        eta = elapsed * (1 - done) / done
+    mem = float(m.get("peak_mem_mb", 0.0))
+    mem_s = f"{mem / 1024:.1f} GB" if mem >= 1024 else f"{mem:.0f} MB"
+    return (f"{where}  loss {float(m.get('loss', float('nan'))):.3f}  lr {float(m.get('lr', 0.0)):.2e}  "
+            f"{_fmt_num(float(m.get('tokens_per_s', 0.0)))} tok/s  fill {100 * float(m.get('fill', 0.0)):.1f}%  "
+            f"data wait {100 * min(1.0, float(m.get('data_wait_frac', 0.0))):.0f}%  mem {mem_s}  "
+            f"{_fmt_time(elapsed)} elapsed, eta {_fmt_time(eta)}")
+
+
+class ProgressPrinter:
+    """Follow OUTPUT_DIR/metrics.jsonl in a thread and print each new report.
+
+    A file (not the forwarded worker output) so the driver sees the reports whatever the
+    log settings; on a terminal the line is redrawn in place, elsewhere one line each.
+    """
+
+    def __init__(self, metrics_path: str | Path, max_steps: int, stream=None, interval: float = 0.5):
+        self.path, self.max_steps = Path(metrics_path), int(max_steps)
+        self.stream = stream or sys.stdout
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval, self.t0 = interval, time.time()
+        self._offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's old lines
+        self._first: tuple[float, float] | None = None  # (time, share done) at the first report: start-up excluded
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ray_mmbatch_progress", daemon=True)
+        self.printed = 0
+
+    def __enter__(self) -> ProgressPrinter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()
+        if self.tty and self.printed:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.poll()
+            except Exception:  # a half-written line: read it next time
+                pass
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        size = self.path.stat().st_size
+        if size < self._offset:  # trimmed back on a restore
+            self._offset = 0
+        if size == self._offset:
+            return
+        with open(self.path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        complete, _, _ = chunk.rpartition("\n")
+        if not complete:
+            return
+        self._offset += len(complete.encode()) + 1
+        for raw in complete.splitlines():
+            try:
+                m = json.loads(raw)
+            except ValueError:
+                continue
+            now, done = time.time(), done_share(m, self.max_steps)
+            eta = None
+            if done is not None:
+                if self._first is None:  # no rate yet: the time so far is mostly start-up
+                    self._first, eta = (now, done), -1.0
+                elif done > self._first[1]:
+                    eta = (now - self._first[0]) * (1 - done) / (done - self._first[1])
+            self.show(progress_line(m, self.max_steps, now - self.t0, eta))
+
+    def show(self, line: str) -> None:
+        if self.tty:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        self.printed += 1
+
+
+def format_summary(summary: dict[str, Any], out_dir: str | Path) -> str:
+    """The end of a run: a few figures and where its files are."""
+    out = Path(out_dir)
+    skipped = summary.get("skipped") or {}
+    top = ", ".join(f"{k} {v}" for k, v in sorted(skipped.items(), key=lambda kv: -kv[1])[:4])
+    rows = [
+        ("steps", f"{summary.get('steps', 0)}"),
+        ("samples", f"{summary.get('samples', 0):,} trained, {summary.get('skipped_total', 0):,} skipped"
+                    + (f" ({top})" if top else "")),
+        *([("files", f"{summary['skipped_files']:,} could not be read (unreadable_file in the skip report)")]
+          if summary.get("skipped_files") else []),
+        ("loss", f"{_f(summary.get('initial_loss'))} -> {_f(summary.get('final_loss'))}"),
+        ("tokens", f"{summary.get('real_tokens', 0):,} real, fill {100 * float(summary.get('fill') or 0):.1f}%"),
+        ("speed", f"{float(summary.get('tokens_per_s') or 0):,.0f} real tokens/s"),
+        ("wall", _fmt_time(summary.get("wall_s"))),
+        ("summary", str(out / "summary.json")),
+        ("skip report", str(out / "skipped.csv")),
+        ("metrics", str(out / "metrics.jsonl")),
+    ]
+    if summary.get("checkpoint"):
+        rows.append(("checkpoint", str(summary["checkpoint"])))
+    if (out / "model").exists():
+        rows.append(("model", str(out / "model")))
+    rows.append(("report", f"ray-mmbatch report {out}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _f(x: Any) -> str:
+    return "n/a" if x is None else f"{float(x):.3f}"
