@@ -52,7 +52,7 @@ import numpy as np
 from ray_mmbatch import schema as S
 from ray_mmbatch.data.errors import SampleSkip
 
-SHIPPED_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "tokenizer"
 # the one place roles are matched (case-insensitively): LLaVA human/gpt, OpenAI user/assistant
 _ROLES = {"system": "system", "human": "user", "gpt": "assistant"}  # of schema.canonical_role's names
 _USER, _ASSISTANT = "user", "assistant"
