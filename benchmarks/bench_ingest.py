@@ -79,7 +79,7 @@ class ParquetMeasureMaterialize:
         from ray_mmbatch.data.image import ImageSkip
         from ray_mmbatch.data.materialize import materialize_sample
         from ray_mmbatch.data.measure import measure_batch
-        from ray_mmbatch.data.text import load_tokenizer
+        from ray_mmbatch.data.text.tokenizer import load_tokenizer
         from ray_mmbatch.formats.parquet import parquet_rows
 
         path, group, start, rows, file_row = self.units[i]

@@ -51,7 +51,7 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.batching import Budget, collate_pack, plan_batches_arrays
 from ray_mmbatch.config import BudgetConfig, Config
 from ray_mmbatch.data.materialize import materialize_sample
-from ray_mmbatch.data.text import load_tokenizer, special_ids
+from ray_mmbatch.data.text.tokenizer import load_tokenizer, special_ids
 from ray_mmbatch.models.builtin import build_model, count_parameters
 from ray_mmbatch.synthetic.draw import COLOURS, SHAPES
 from ray_mmbatch.synthetic.generate import generate_dataset

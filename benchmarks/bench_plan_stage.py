@@ -107,7 +107,7 @@ def main(argv=None):
 
     import ray
 
-    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from ray_mmbatch.synthetic.generate import generate_dataset
     from ray_mmbatch.train.trainer import tokenizer_ids
 

@@ -1,6 +1,6 @@
 """Text encoding: plain format vs a checkpoint's own chat template, samples/s on one core.
 
-Question: what does going through the chat template (data/text.py: rendered once per
+Question: what does going through the chat template (data/text/template.py: rendered once per
 conversation shape, sentinels for text, one batched Rust call) cost against the plain
 format? Conversations: the generated mixture (synthetic/generate.py ``make_good_sample``:
 captions, 2-150-turn conversations, documents, multi-image, text-only), encoded with
@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import chat_templates  # noqa: E402
 
 from ray_mmbatch.config import TextConfig  # noqa: E402
-from ray_mmbatch.data.text import SHIPPED_TOKENIZER, encode_conversations, image_token_id, tokenizer_for  # noqa: E402
+from ray_mmbatch.data.text.encoder import encode_conversations, image_token_id, tokenizer_for  # noqa: E402
+from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from ray_mmbatch.synthetic.generate import make_good_sample  # noqa: E402
 
 

@@ -66,7 +66,7 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.batching import collate_pack, collate_pad
 from ray_mmbatch.config import BudgetConfig, Config
 from ray_mmbatch.data.materialize import materialize_sample
-from ray_mmbatch.data.text import load_tokenizer
+from ray_mmbatch.data.text.tokenizer import load_tokenizer
 from ray_mmbatch.dataflow.stages import plan_rows
 from ray_mmbatch.models.builtin import build_model, layers
 from ray_mmbatch.models.builtin.attention import attend as _ATTEND

@@ -94,7 +94,7 @@ BATCH_POSITION_UNIT_ROWS = "position_unit_rows"  # list<int64>: row count of eac
 
 # ---------------------------------------------------------- special tokens
 # The shipped tokenizer (assets/tokenizer) has these; any other HF tokenizer gets
-# the missing ones added (data/text.py).
+# the missing ones added (data/text/tokenizer.py).
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -112,7 +112,7 @@ IMAGE_PLACEHOLDER = "<image>"
 IGNORE_INDEX = -100
 
 # Conversation roles as data writes them (any case) -> the RAW row's role. The one table;
-# data/text.py maps RAW roles on to the chat template's system / user / assistant.
+# data/text/conversations.py maps RAW roles on to the chat template's system / user / assistant.
 ROLE_NAMES = {"system": "system", "human": "human", "user": "human", "gpt": "gpt", "assistant": "gpt"}
 
 

@@ -57,7 +57,7 @@ def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 
     from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from tests.chat_templates import QWEN2_VL
 
     if model_type not in QWEN_MODEL_TYPES:

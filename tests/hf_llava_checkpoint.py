@@ -28,7 +28,7 @@ def make_llava_checkpoint(directory, initializer_range: float = 0.2, seed: int =
         PreTrainedTokenizerFast,
     )
 
-    from ray_mmbatch.data.text import SHIPPED_TOKENIZER
+    from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER
     from tests.chat_templates import LLAVA
 
     d = Path(directory)

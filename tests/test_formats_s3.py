@@ -12,7 +12,7 @@ import pytest
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import DataConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.measure import measure_batch
-from ray_mmbatch.data.text import tokenizer_for
+from ray_mmbatch.data.text.encoder import tokenizer_for
 from ray_mmbatch.formats.fs import DataLocationError
 from ray_mmbatch.formats.units import count_samples, read_units
 from ray_mmbatch.synthetic.generate import generate_dataset

@@ -15,7 +15,7 @@ from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.image import ImageSkip
 from ray_mmbatch.data.materialize import materialize_sample
 from ray_mmbatch.data.measure import fit_batch_to_budget, fit_to_budget, measure_batch
-from ray_mmbatch.data.text import load_tokenizer, special_ids
+from ray_mmbatch.data.text.tokenizer import load_tokenizer, special_ids
 
 CFG = ImageConfig()
 TEXT = TextConfig()

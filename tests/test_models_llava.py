@@ -23,7 +23,7 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.batching.collate import collate_pack, collate_pad
 from ray_mmbatch.config import Config, ImageConfig
 from ray_mmbatch.data.image import patchify
-from ray_mmbatch.data.text import load_tokenizer
+from ray_mmbatch.data.text.tokenizer import load_tokenizer
 from ray_mmbatch.models import llava
 from ray_mmbatch.train.step import batch_to_torch
 from tests.hf_llava_checkpoint import make_llava_checkpoint
@@ -242,12 +242,12 @@ def test_through_the_data_path(model, processor, cfg, tok, padded_variant, kind)
     from transformers import LlavaImageProcessorPil
 
     from ray_mmbatch.data import image as image_mod
-    from ray_mmbatch.data import text as text_mod
     from ray_mmbatch.data.materialize import materialize_sample
     from ray_mmbatch.data.measure import measure_batch
+    from ray_mmbatch.data.text import encoder as text_mod
 
     if "fixed_pad" not in getattr(image_mod, "RESIZE_MODES", ()) or not hasattr(text_mod, "image_token_id"):
-        pytest.skip("the data path has no fixed resize / configurable image token yet (data/image.py, data/text.py)")
+        pytest.skip("the data path has no fixed resize / configurable image token yet (data/image.py, data/text/)")
     if kind == "llava_do_pad":  # same weights, so the model fixture serves; only the pixels differ
         cfg = _configure(padded_variant)
         assert cfg.image.resize == "fixed_pad"

@@ -26,7 +26,7 @@ from ray_mmbatch.batching.collate import collate_pack, collate_pad
 from ray_mmbatch.config import Config
 from ray_mmbatch.data.materialize import materialize_sample
 from ray_mmbatch.data.measure import measure_batch
-from ray_mmbatch.data.text import SHIPPED_TOKENIZER, load_tokenizer
+from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER, load_tokenizer
 from ray_mmbatch.models import qwen_vl
 from ray_mmbatch.models.hf_common import normalize_patches
 from ray_mmbatch.train.step import batch_to_torch

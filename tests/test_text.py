@@ -1,4 +1,4 @@
-"""data/text.py with the real shipped tokenizer and a foreign HF tokenizer built in tmp_path."""
+"""data/text/ with the real shipped tokenizer and a foreign HF tokenizer built in tmp_path."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ray_mmbatch import schema as S
-from ray_mmbatch.data.text import SHIPPED_TOKENIZER, TextSkip, encode_conversations, load_tokenizer, special_ids
+from ray_mmbatch.data.text.conversations import TextSkip
+from ray_mmbatch.data.text.encoder import encode_conversations
+from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER, load_tokenizer, special_ids
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""data/text.py through a checkpoint's own chat template (Qwen2-VL and LLaVA-1.5 templates, real tokenizers)."""
+"""data/text/ through a checkpoint's own chat template (Qwen2-VL and LLaVA-1.5 templates, real tokenizers)."""
 from __future__ import annotations
 
 import io
@@ -13,16 +13,10 @@ from PIL import Image
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.measure import fit_to_budget, measure_batch
-from ray_mmbatch.data.text import (
-    SHIPPED_TOKENIZER,
-    ChatTemplateError,
-    TextSkip,
-    encode_conversations,
-    image_token_id,
-    load_tokenizer,
-    tokenizer_for,
-    uses_template,
-)
+from ray_mmbatch.data.text.conversations import TextSkip
+from ray_mmbatch.data.text.encoder import encode_conversations, image_token_id, tokenizer_for
+from ray_mmbatch.data.text.template import ChatTemplateError
+from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER, load_tokenizer, uses_template
 
 LLAVA_IMAGE = "<image>"
 NASTY = "<|im_start|>assistant\n<|image_pad|> <image> <|vision_start|><|im_end|><|endoftext|> USER: ASSISTANT:"

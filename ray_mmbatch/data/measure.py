@@ -28,7 +28,8 @@ from ray_mmbatch.batching.budget import max_tokens_alone
 from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.image import ImageSkip, image_grid, probe_image
 from ray_mmbatch.data.materialize import _items
-from ray_mmbatch.data.text import TextSkip, encode_conversations, image_token_id
+from ray_mmbatch.data.text.conversations import TextSkip
+from ray_mmbatch.data.text.encoder import encode_conversations, image_token_id
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_TARGET = np.zeros(0, dtype=np.uint8)

@@ -32,7 +32,7 @@ class InspectStage:
     """
 
     def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, measure_batch: int):
-        from ray_mmbatch.data.text import tokenizer_for
+        from ray_mmbatch.data.text.encoder import tokenizer_for
 
         self.image_cfg, self.text_cfg, self.measure_batch = image_cfg, text_cfg, max(1, int(measure_batch))
         self.tok = tokenizer_for(text_cfg)

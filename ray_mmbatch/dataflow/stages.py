@@ -76,7 +76,7 @@ class MeasureStage:
 
     def __init__(self, image_cfg: ImageConfig, text_cfg: TextConfig, budget_cfg: BudgetConfig,
                  payloads=None, measure_batch: int = 64):
-        from ray_mmbatch.data.text import tokenizer_for
+        from ray_mmbatch.data.text.encoder import tokenizer_for
 
         self.image_cfg, self.text_cfg, self.budget_cfg = image_cfg, text_cfg, budget_cfg
         self.payloads, self.measure_batch = payloads, measure_batch

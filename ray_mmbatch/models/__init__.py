@@ -80,7 +80,7 @@ def configure(cfg):
 
 def token_ids(cfg) -> dict[str, int]:
     """vocab size, image token id and pad id of the run's tokenizer (call after ``configure``)."""
-    from ray_mmbatch.data.text import image_token_id, tokenizer_for
+    from ray_mmbatch.data.text.encoder import image_token_id, tokenizer_for
 
     tok = tokenizer_for(cfg.text)
     return {"vocab_size": len(tok), "image_token_id": image_token_id(tok, cfg.text), "pad_id": int(tok.pad_token_id)}

@@ -208,7 +208,7 @@ def export_hf(model: nn.Module, cfg, directory, state_dict: dict | None = None) 
     """save_pretrained of the model + the tokenizer, and the checkpoint's processor files copied.
 
     ``state_dict``: the full weights with ``hf_model.`` keys stripped (FSDP: gathered on rank 0)."""
-    from ray_mmbatch.data.text import tokenizer_for
+    from ray_mmbatch.data.text.encoder import tokenizer_for
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)

@@ -129,7 +129,7 @@ def configure(cfg):
 
 
 def _image_token(tokenizer: str, token_id: int, path: str) -> str:
-    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     token = tok.convert_ids_to_tokens(token_id)

@@ -84,7 +84,7 @@ def _check_processor_steps(path: str, processor: dict) -> None:
 
 def _checkpoint_image_token(path: str, image_token_id: int) -> str:
     """The token whose id is config.json's image_token_id, by the checkpoint's own tokenizer."""
-    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
 
     if not any((Path(path) / f).is_file() for f in _TOKENIZER_FILES):
         return "<|image_pad|>"  # Qwen's name for it; the run's tokenizer is checked against the id below
@@ -103,7 +103,7 @@ def configure(cfg):
     the checkpoint is refused; min/max pixels are a free choice (the user's value wins).
     Idempotent.
     """
-    from ray_mmbatch.data.text import load_tokenizer
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files
 
     path = cfg.model.path

@@ -87,7 +87,7 @@ def _first_rows(cfg: Config, n: int, fmt: str) -> list[dict]:
     import pyarrow as pa
 
     from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
-    from ray_mmbatch.data.text import tokenizer_for
+    from ray_mmbatch.data.text.encoder import tokenizer_for
     from ray_mmbatch.formats.units import read_units
 
     try:
