@@ -2,8 +2,10 @@
 
 Each subcommand is a module of ``ray_mmbatch/commands`` with ``main(argv, prog)``; the
 ``jobs/*.py`` scripts call the same ``main`` (for ``ray job submit --working-dir .``).
-Each flag sets a config field and flags override --config; the help text of a flag is
-the docstring of the field it sets, so ``--help`` and ``config.py`` never disagree.
+Each flag sets a config field and flags override --config; config.py names a field's flag
+where the field is declared, and the help text of a flag is the docstring of the field it
+sets, so ``--help`` and ``config.py`` never disagree. ``--config``, ``--set`` and ``--verbose``
+set no one field and live here.
 """
 from __future__ import annotations
 
@@ -14,39 +16,10 @@ import inspect
 import sys
 from typing import Any
 
-from ray_mmbatch.config import Config, load_config
+from ray_mmbatch.config import Config, cli_flags, load_config
 
-# flag -> "section.field"
-FLAGS: dict[str, str] = {
-    "--data": "data.path", "--format": "data.format", "--image-root": "data.image_root",
-    "--image-column": "data.image_column", "--text-column": "data.text_column", "--id-column": "data.id_column",
-    "--data-resource": "data.data_resource", "--preprocess-workers": "data.preprocess_workers",
-    "--demo-samples": "data.demo_samples", "--shuffle": "data.shuffle", "--shuffle-buffer": "data.shuffle_buffer",
-    "--stall-timeout": "data.stall_timeout_s",
-    "--max-skip-fraction": "data.max_skip_fraction",
-    "--tokenizer": "text.tokenizer",
-    "--mode": "budget.mode", "--max-tokens": "budget.max_tokens", "--max-patches": "budget.max_patches",
-    "--max-images": "budget.max_images", "--max-samples": "budget.max_samples",
-    "--attn-weight": "budget.attn_weight", "--algorithm": "budget.algorithm", "--window": "budget.window",
-    "--carry": "budget.carry",
-    "--oversize": "budget.oversize",
-    "--patch-size": "image.patch_size", "--merge-size": "image.merge_size",
-    "--min-pixels": "image.min_pixels", "--max-pixels": "image.max_pixels",
-    "--model": "model.path", "--backend": "model.backend",
-    "--gradient-checkpointing": "model.gradient_checkpointing", "--attn-implementation": "model.attn_implementation",
-    "--fsdp": "train.fsdp", "--chat-template": "text.chat_template", "--fast-decode": "image.fast_decode",
-    "--d-model": "model.d_model", "--n-layers": "model.n_layers", "--n-heads": "model.n_heads",
-    "--vision-d-model": "model.vision_d_model", "--vision-layers": "model.vision_layers",
-    "--attention": "model.attention",
-    "--num-workers": "train.num_workers", "--use-gpu": "train.use_gpu", "--gpus-per-worker": "train.gpus_per_worker",
-    "--train-resource": "train.worker_resource",
-    "--precision": "train.precision",
-    "--lr": "train.lr", "--grad-accum": "train.grad_accum", "--max-steps": "train.max_steps",
-    "--epochs": "train.epochs", "--report-every": "train.report_every",
-    "--checkpoint-every": "train.checkpoint_every", "--max-failures": "train.max_failures",
-    "--seed": "train.seed", "--deterministic": "train.deterministic", "--ledger": "train.ledger",
-    "--output-dir": "train.output_dir", "--run-name": "train.run_name", "--storage": "train.storage",
-}
+# flag -> "section.field": the flags config.py declares on its fields (config.flag)
+FLAGS: dict[str, str] = cli_flags()
 
 
 def _field_doc(section_cls: type, name: str) -> str:

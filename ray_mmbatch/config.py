@@ -4,7 +4,12 @@ A config is a nested dataclass (``Config``). ``load_config(path, overrides)``
 reads a YAML file shaped like ``Config`` (sections ``image``, ``text``,
 ``budget``, ``model``, ``train``, ``data``) and then applies ``section.field``
 overrides, so ``--config best.yaml --max-tokens 8192`` means the flag wins.
-Pure module: no ray, no torch.
+A field that a command-line flag sets names it where it is declared::
+
+    max_tokens: int = flag("--max-tokens", 4096)
+
+``cli_flags()`` collects them (cli.py's flags, each with its field's docstring as help);
+every other field is set with ``--set section.field=value``. Pure module: no ray, no torch.
 """
 from __future__ import annotations
 
@@ -16,15 +21,20 @@ from typing import Any
 import yaml
 
 
+def flag(name: str, default: Any) -> Any:
+    """The default of a field that command-line flag ``name`` sets too (``field`` metadata "flag")."""
+    return field(default=default, metadata={"flag": name})
+
+
 @dataclass
 class ImageConfig:
-    patch_size: int = 14
+    patch_size: int = flag("--patch-size", 14)
     """Side of a square vision patch, in pixels."""
-    merge_size: int = 2
+    merge_size: int = flag("--merge-size", 2)
     """Spatial merge: merge_size x merge_size patches become one LM image token."""
-    min_pixels: int = 4 * 28 * 28
+    min_pixels: int = flag("--min-pixels", 4 * 28 * 28)
     """Smart resize lower bound on the resized image area (pixels)."""
-    max_pixels: int = 256 * 28 * 28
+    max_pixels: int = flag("--max-pixels", 256 * 28 * 28)
     """Smart resize upper bound on the resized image area (pixels); bounds image tokens per image."""
     max_header_pixels: int = 89_478_485
     """Refuse (decompression_bomb) any image whose header says more pixels than this. Pillow's own guard stays on."""
@@ -43,7 +53,7 @@ class ImageConfig:
     """resize='fixed': side of the square image the vision tower sees (pixels)."""
     max_aspect: float = 200.0
     """Images whose long side over short side exceeds this are skipped (extreme_aspect); HF Qwen-VL refuses > 200."""
-    fast_decode: bool = False
+    fast_decode: bool = flag("--fast-decode", False)
     """Decode big JPEGs at a reduced DCT scale and resize with reducing_gap: faster, but the pixels are no
     longer bit-equal to the checkpoint's HF image processor."""
     image_mean: tuple[float, ...] = (0.48145466, 0.4578275, 0.40821073)
@@ -61,11 +71,11 @@ class ImageConfig:
 
 @dataclass
 class TextConfig:
-    tokenizer: str = ""
+    tokenizer: str = flag("--tokenizer", "")
     """Path to a Hugging Face tokenizer directory; empty = the small BPE tokenizer shipped in the package."""
     train_on_prompt: bool = False
     """Also train on user/system tokens (default: only assistant answers are targets)."""
-    chat_template: str = "auto"
+    chat_template: str = flag("--chat-template", "auto")
     """'auto' (the tokenizer's own chat template when it has one, else the plain format) or 'plain'
     (<|im_start|>role ... <|im_end|>, the built-in model's format)."""
     image_token: str = "<|image_pad|>"
@@ -74,52 +84,52 @@ class TextConfig:
 
 @dataclass
 class BudgetConfig:
-    mode: str = "pack"
+    mode: str = flag("--mode", "pack")
     """'pack' (one packed sequence per batch) or 'pad' (rows padded to the longest)."""
-    max_tokens: int = 4096
+    max_tokens: int = flag("--max-tokens", 4096)
     """Token budget per batch: sum of sequence lengths (pack) or rows x longest (pad)."""
-    max_patches: int | None = None
+    max_patches: int | None = flag("--max-patches", None)
     """Budget on vision-encoder patches per batch (None = unbounded)."""
-    max_images: int | None = None
+    max_images: int | None = flag("--max-images", None)
     """Budget on images per batch (None = unbounded)."""
-    max_samples: int | None = None
+    max_samples: int | None = flag("--max-samples", None)
     """Budget on samples per batch (None = unbounded)."""
-    attn_weight: float = 0.0
+    attn_weight: float = flag("--attn-weight", 0.0)
     """Attention-cost term: cost = sum(tokens) + attn_weight * sum(tokens**2), checked against max_tokens."""
-    algorithm: str = ""
+    algorithm: str = flag("--algorithm", "")
     """Planner algorithm name (batching registry); empty = the measured default for the mode."""
-    window: int = 2048
+    window: int = flag("--window", 2048)
     """New samples planned together in one planning step of the stream."""
-    carry: float | None = None
+    carry: float | None = flag("--carry", None)
     """Under-filled batches held back into the next window, at most this fraction of the window
     (None = the measured default: pack 0.05, pad 0.10; 0 = plan every window on its own)."""
-    oversize: str = "truncate"
+    oversize: str = flag("--oversize", "truncate")
     """Samples that fit no batch alone: 'truncate' the text to fit, or 'skip' them with a counted reason."""
 
 
 @dataclass
 class ModelConfig:
-    path: str = ""
+    path: str = flag("--model", "")
     """A local Hugging Face checkpoint directory (config.json + weights + tokenizer + preprocessor_config.json);
     empty = the small built-in model, trained from scratch."""
-    backend: str = "auto"
+    backend: str = flag("--backend", "auto")
     """Model backend (models/ registry): 'builtin', 'qwen_vl', 'llava'; 'auto' = from the checkpoint's model_type."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = flag("--gradient-checkpointing", False)
     """Recompute activations in the backward pass (HF models): less memory, ~30% more compute."""
-    attn_implementation: str = "auto"
+    attn_implementation: str = flag("--attn-implementation", "auto")
     """HF models: 'auto' (flash_attention_2 on CUDA when flash_attn is installed, else sdpa), 'sdpa', 'eager',
     'flash_attention_2'."""
     vocab_size: int = 0
     """0 = taken from the tokenizer."""
-    d_model: int = 128
+    d_model: int = flag("--d-model", 128)
     """Language-model width."""
-    n_layers: int = 2
+    n_layers: int = flag("--n-layers", 2)
     """Language-model decoder layers."""
-    n_heads: int = 4
+    n_heads: int = flag("--n-heads", 4)
     """Language-model attention heads."""
-    vision_d_model: int = 96
+    vision_d_model: int = flag("--vision-d-model", 96)
     """Vision-encoder width."""
-    vision_layers: int = 1
+    vision_layers: int = flag("--vision-layers", 1)
     """Vision-encoder layers."""
     vision_heads: int = 4
     """Vision-encoder attention heads."""
@@ -127,63 +137,63 @@ class ModelConfig:
     """MLP hidden size over model width."""
     rope_theta: float = 10000.0
     """Rotary embedding base."""
-    attention: str = "auto"
+    attention: str = flag("--attention", "auto")
     """'sdpa' (block mask, works everywhere), 'flex' (PyTorch flex attention), 'flash' (flash-attn varlen), 'auto'."""
 
 
 @dataclass
 class TrainConfig:
-    num_workers: int = 1
+    num_workers: int = flag("--num-workers", 1)
     """Ray Train workers (data-parallel ranks)."""
-    use_gpu: bool = False
+    use_gpu: bool = flag("--use-gpu", False)
     """Train on GPUs (one per worker)."""
     cpus_per_worker: float = 1.0
     """CPUs reserved by each Train worker."""
-    gpus_per_worker: float = 1.0
+    gpus_per_worker: float = flag("--gpus-per-worker", 1.0)
     """GPUs per Train worker with use_gpu (a fraction shares one GPU, e.g. 0.5 for a 2-worker smoke test)."""
-    worker_resource: str = ""
+    worker_resource: str = flag("--train-resource", "")
     """Custom Ray resource each Train worker requires (one unit), e.g. 'train' on the nodes meant for training,
     so that on a CPU cluster Train workers never take the data nodes' slots; empty = anywhere (GPU runs are
     placed by their GPUs)."""
-    precision: str = "auto"
+    precision: str = flag("--precision", "auto")
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp32'."""
-    lr: float = 3e-3
+    lr: float = flag("--lr", 3e-3)
     """Peak AdamW learning rate."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
     warmup_steps: int = 10
     """Linear warm-up steps, then cosine decay to 10%."""
-    grad_accum: int = 1
+    grad_accum: int = flag("--grad-accum", 1)
     """Micro-batches per optimizer step."""
     grad_clip: float = 1.0
     """Max gradient norm (0 = off)."""
-    max_steps: int = 60
+    max_steps: int = flag("--max-steps", 60)
     """Optimizer steps to run; the cosine learning-rate schedule spans them. 0 = run all epochs, and the
     schedule follows the share of the samples done (counted up front from footers / indexes)."""
-    epochs: int = 1
+    epochs: int = flag("--epochs", 1)
     """Passes over the data, one after the other; each re-reads in its own order and re-plans with the
     epoch in the seed."""
-    report_every: int = 5
+    report_every: int = flag("--report-every", 5)
     """Report metrics every N optimizer steps."""
-    checkpoint_every: int = 20
+    checkpoint_every: int = flag("--checkpoint-every", 20)
     """Checkpoint every N optimizer steps (0 = only at the end)."""
-    max_failures: int = 2
+    max_failures: int = flag("--max-failures", 2)
     """Worker-group restarts allowed (FailureConfig)."""
-    seed: int = 0
+    seed: int = flag("--seed", 0)
     """Seed for model init, shuffles and plans."""
-    deterministic: bool = True
+    deterministic: bool = flag("--deterministic", True)
     """Preserve order through Ray Data so batches are identical run to run (replay / resume by position)."""
-    ledger: bool = False
+    ledger: bool = flag("--ledger", False)
     """Record, per rank, which sample ids were trained (for exactly-once checks)."""
-    output_dir: str = "runs/demo"
+    output_dir: str = flag("--output-dir", "runs/demo")
     """Where summary.json, metrics, logs and reports go: a local folder (or one every node mounts, for the
     per-rank logs of a multi-node run); checkpoints too unless ``storage`` says otherwise."""
-    storage: str = ""
+    storage: str = flag("--storage", "")
     """Where Ray Train persists checkpoints: a folder every node can reach or a bucket URI (s3://, gs://,
     abfs://; credentials and AWS_ENDPOINT_URL from the environment). '' = OUTPUT_DIR/ray_storage."""
-    run_name: str = ""
+    run_name: str = flag("--run-name", "")
     """Run name (re-running with the same name resumes); empty = output_dir's name."""
-    fsdp: bool = False
+    fsdp: bool = flag("--fsdp", False)
     """Shard parameters, gradients and optimizer state over the workers (FSDP2 fully_shard) instead of DDP."""
     export_hf: bool = True
     """HF models: save the trained model in HF format (save_pretrained: model, tokenizer, processor) to
@@ -194,39 +204,39 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: str = ""
+    path: str = flag("--data", "")
     """Dataset location: a file, folder or glob, as a local path or a URI of any pyarrow filesystem (s3://,
     gs://, abfs://, hdfs://, file://; credentials and AWS_ENDPOINT_URL from the environment); empty = generate
     a demo dataset under output_dir."""
-    format: str = "auto"
+    format: str = flag("--format", "auto")
     """'parquet', 'webdataset', 'llava' or 'auto' (guessed from the path)."""
-    image_root: str = ""
+    image_root: str = flag("--image-root", "")
     """LLaVA format: image folder, a local path or a URI (default: the JSON file's folder)."""
-    image_column: str = "images"
+    image_column: str = flag("--image-column", "images")
     """Parquet: column with image structs {bytes, path} (or a list of them)."""
-    text_column: str = "conversations"
+    text_column: str = flag("--text-column", "conversations")
     """Parquet: conversation column (list of {from, value}) or a plain text column."""
-    id_column: str = "id"
+    id_column: str = flag("--id-column", "id")
     """Parquet: sample id column (missing = derived from file and row)."""
-    demo_samples: int = 600
+    demo_samples: int = flag("--demo-samples", 600)
     """Samples generated when no dataset is given."""
-    data_resource: str = ""
+    data_resource: str = flag("--data-resource", "")
     """Custom Ray resource that preprocessing stages require (e.g. 'preprocess' on CPU nodes); empty = anywhere."""
-    preprocess_workers: int | None = None
+    preprocess_workers: int | None = flag("--preprocess-workers", None)
     """Actors of each of the measure and materialize pools (1 CPU each); None / 'auto' = sized from the
     cluster: the pools start at 2 and may grow to the CPU slots the nodes offering --data-resource have (or
     the whole cluster's less the Train workers'), measure ~1/5 and materialize the rest (pools.py). A number
     pins both pools at that size; a run whose pools cannot be placed stops at start saying why."""
-    shuffle: str = "samples"
+    shuffle: str = flag("--shuffle", "samples")
     """Sample order of every epoch, the first included, seeded by (train.seed, epoch): 'samples' (the read
     units in a seeded order, then a seeded shuffle buffer of shuffle_buffer samples before planning),
     'units' (the seeded unit order only), 'none' (listing order: for debugging and reproducing).
     batching/shuffle.py draws it; benchmarks/bench_mixing.py measures it."""
-    shuffle_buffer: int = 16384
+    shuffle_buffer: int = flag("--shuffle-buffer", 16384)
     """Samples in the shuffle buffer of --shuffle samples (light rows in the plan actor, ~250 bytes each;
     their image bytes wait in the payload holders meanwhile). Mixing spans about this many samples plus the
     read units around them: raise it for large units or many subsets."""
-    stall_timeout_s: float = 1800.0
+    stall_timeout_s: float = flag("--stall-timeout", 1800.0)
     """Stop the run when a Train worker gets no batch for this many seconds (train/stall.py): the message names
     the actors Ray cannot place and the free resources. 0 = wait forever."""
     measure_batch: int = 64
@@ -246,7 +256,7 @@ class DataConfig:
     skips the sample as for any long one): a 50 MB cell never reaches the tokenizer whole. The default is
     more than a 32k-token budget uses at 8 characters per token (tokenizing it: ~0.1 s, ~40 MB); raise it
     with larger budgets. 0 = no limit."""
-    max_skip_fraction: float = 0.5
+    max_skip_fraction: float = flag("--max-skip-fraction", 0.5)
     """Stop the run when more than this share of the samples seen is skipped (judged from 50 samples on,
     or at the end of a smaller dataset; also on the first samples before the run): a wrong --image-root or
     column should fail with its reasons, not train on what is left. 1 = never stop."""
@@ -263,6 +273,25 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def cli_flags() -> dict[str, str]:
+    """flag -> "section.field" for every field declared with ``flag(...)``, in Config's order."""
+    flags: dict[str, str] = {}
+    for section in dataclasses.fields(Config):
+        for f in dataclasses.fields(section.default_factory):
+            name = f.metadata.get("flag")
+            if name is None:
+                continue
+            if name in flags:
+                raise ValueError(f"flag {name} is declared twice: {flags[name]} and {section.name}.{f.name}")
+            flags[name] = f"{section.name}.{f.name}"
+    return flags
+
+
+def flag_for(key: str) -> str:
+    """How a user sets config field ``key`` ("section.field") on the command line: its flag, else ``--set KEY``."""
+    return next((name for name, k in cli_flags().items() if k == key), f"--set {key}")
 
 
 #: Fields where None means "auto" and the word auto sets it back.

@@ -39,6 +39,30 @@ def test_every_flag_names_a_real_field_and_typos_fail():
         _parse(["--set", "budget.max_tokenz=5"])
 
 
+def test_every_config_flag_comes_from_its_field_and_maps_back():
+    """The flags `ray-mmbatch train` offers for config fields are exactly those config.py declares on the
+    fields (field metadata "flag"), each sets its own field, and config.flag_for names it back."""
+    import dataclasses
+
+    from ray_mmbatch.commands.train import build_parser
+    from ray_mmbatch.config import cli_flags, flag_for
+
+    declared = {f.metadata["flag"]: f"{s.name}.{f.name}" for s in dataclasses.fields(Config)
+                for f in dataclasses.fields(s.default_factory) if "flag" in f.metadata}
+    assert FLAGS == cli_flags() == declared and len(declared) > 50
+    offered = {a.option_strings[0]: a.dest for a in build_parser()._actions if a.option_strings}
+    not_fields = {"-h", "--config", "--set", "--verbose"}
+    assert {flag: key for flag, key in offered.items() if flag not in not_fields} == declared
+    for flag, key in declared.items():
+        assert flag_for(key) == flag
+        section, name = key.split(".")
+        default = getattr(getattr(Config(), section), name)
+        want = (not default) if isinstance(default, bool) else "x7" if isinstance(default, str) else 7
+        assert want != default
+        assert getattr(getattr(_parse([flag, str(want)]), section), name) == want, flag
+    assert flag_for("model.mlp_ratio") == "--set model.mlp_ratio"   # a field without a flag
+
+
 def test_train_help_lists_the_documented_options():
     out = subprocess.run([sys.executable, str(ROOT / "jobs" / "train.py"), "--help"], capture_output=True,
                          text=True, timeout=120, check=True).stdout

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,14 +19,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ray_mmbatch import models
 from ray_mmbatch.batching.collate import collate_pack
-from ray_mmbatch.config import ImageConfig, ModelConfig, TrainConfig
+from ray_mmbatch.config import Config, ImageConfig, ModelConfig, TrainConfig
+from ray_mmbatch.models import backend_of, hf_common, qwen_vl
 from ray_mmbatch.models.builtin import build_model
 from ray_mmbatch.models.hf_common import HFModel
 from ray_mmbatch.schema import IGNORE_INDEX
 from ray_mmbatch.train import checkpoint as ckpt
 from ray_mmbatch.train import fsdp
 from ray_mmbatch.train.step import build_optimizer, optimizer_step
+from tests.hf_checkpoints import QWEN_MODEL_TYPES
 
 WORLD, VOCAB, IMAGE_ID, PAD_ID, PS = 2, 300, 5, 0, 4
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, vision_d_model=16, vision_layers=2, vision_heads=2,
@@ -209,19 +213,64 @@ class _VisionBlock(_Layer):
 
 
 class _FakeHF(torch.nn.Module):
+    """Shaped like a Qwen-VL ``*ForConditionalGeneration``: model.visual (blocks), model.layers."""
     _no_split_modules = ["_Layer", "_VisionBlock"]
 
     def __init__(self):
         super().__init__()
-        self.visual = torch.nn.ModuleList([_VisionBlock(), _VisionBlock()])
-        self.layers = torch.nn.ModuleList([_Layer(), _Layer(), _Layer()])
+        self.model = torch.nn.Module()
+        self.model.visual = torch.nn.ModuleList([_VisionBlock(), _VisionBlock()])
+        self.model.layers = torch.nn.ModuleList([_Layer(), _Layer(), _Layer()])
 
 
 def test_hf_units_are_no_split_modules_outside_the_vision_tower():
     hf = _FakeHF()
-    model = HFModel(hf, adapter=lambda b: b, vision=lambda h: [h.visual])
-    assert fsdp.shard_units(model) == list(hf.layers)
-    assert fsdp.shard_units(HFModel(hf, adapter=lambda b: b, vision=lambda h: [])) == [*hf.visual, *hf.layers]
+    model = HFModel(hf, adapter=lambda b: b, vision=lambda h: [h.model.visual])
+    assert hf_common.fsdp_units(model) == list(hf.model.layers)
+    no_vision = HFModel(hf, adapter=lambda b: b, vision=lambda h: [])
+    assert hf_common.fsdp_units(no_vision) == [*hf.model.visual, *hf.model.layers]
+
+
+def test_the_backend_that_built_the_model_names_units_vision_and_prefix():
+    builtin = new_model()
+    assert backend_of(builtin) is models.backend_module("builtin")
+    assert fsdp.shard_units(builtin) == list(builtin.decoder.blocks)     # VisionBlocks stay in the root unit
+    assert backend_of(builtin).vision_modules(builtin) == [builtin.vision]
+    assert backend_of(builtin).state_prefix(builtin) == ""
+
+    hf = _FakeHF()
+    model = HFModel(hf, adapter=lambda b: b, vision=qwen_vl._vision_modules, backend_name="qwen_vl")
+    assert backend_of(model) is qwen_vl and backend_of(torch.nn.Module()) is None
+    assert fsdp.shard_units(model) == list(hf.model.layers)
+    assert qwen_vl.vision_modules(model) == [hf.model.visual]
+    prefix = qwen_vl.state_prefix(model)
+    assert {prefix + k for k in hf.state_dict()} == set(model.state_dict())   # what export's save_pretrained gets
+
+    wrong = SimpleNamespace(NAME="wrong", fsdp_units=lambda m: list(m.modules())[1:],
+                            vision_modules=lambda m: [m.hf_model.model.visual])
+    with pytest.raises(ValueError, match="inside its vision modules"):
+        fsdp.shard_units(model, backend=wrong)
+
+
+@pytest.mark.parametrize("family", [*QWEN_MODEL_TYPES, "llava"])
+def test_hf_backends_shard_the_decoder_layers_and_keep_the_vision_tower_in_the_root(family, tmp_path):
+    from tests.hf_checkpoints import make_qwen_checkpoint
+    from tests.hf_llava_checkpoint import make_llava_checkpoint
+
+    path = make_llava_checkpoint(tmp_path) if family == "llava" else make_qwen_checkpoint(tmp_path, family)
+    cfg = Config()
+    cfg.model.path = str(path)
+    cfg = models.configure(cfg)
+    backend = models.get_backend(cfg)
+    model = backend.create_model(cfg, models.token_ids(cfg))
+    assert backend_of(model) is backend
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(u)] for u in fsdp.shard_units(model)] == [f"hf_model.model.language_model.layers.{i}"
+                                                              for i in range(2)]
+    vision = ["hf_model.model.vision_tower", "hf_model.model.multi_modal_projector"] if family == "llava" \
+        else ["hf_model.model.visual"]
+    assert [names[id(m)] for m in backend.vision_modules(model)] == vision
+    assert backend.state_prefix(model) == "hf_model."
 
 
 def test_generic_fallback_is_the_module_list_entries():

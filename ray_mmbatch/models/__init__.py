@@ -9,10 +9,19 @@ A backend module defines::
                               normalization, tokenizer and image token; refuse contradicting flags
     create_model(cfg, ids)    -> torch.nn.Module with forward(batch, loss_only=True) ->
                               (ce_sum fp32, n_target) on the dict a Train worker receives
-                              (batching/collate.py layout, tensors); HF backends expose .hf_model
+                              (batching/collate.py layout, tensors); its ``backend_name`` is NAME
+                              (``backend_of(model)`` finds the backend from the model alone)
+    fsdp_units(model)         -> [nn.Module]: the blocks FSDP shards as units of their own, outermost
+                              first, in model order: the decoder layers every rank runs every step
+                              (train/fsdp.py says why), none inside ``vision_modules``
+    vision_modules(model)     -> [nn.Module]: the vision tower (and projector), which a batch without
+                              images does not run; FSDP keeps them in its root unit
+    state_prefix(model)       -> str: the prefix of the model's state_dict keys that ``export`` wants
+                              stripped from a gathered ``state_dict`` ("" builtin, "hf_model." HF)
     export(model, cfg, dir, state_dict=None)
                               the trained model in the family's own format (HF: save_pretrained of
                               model + tokenizer + processor config); state_dict = FSDP's gathered one
+                              (the keys under ``state_prefix``, stripped)
 
 So the train loop never names a model class: it asks ``get_backend(cfg)``. The cost model
 (image size -> tokens / patches) runs in the data path from the ImageConfig that
@@ -71,6 +80,26 @@ def backend_name(model_cfg) -> str:
 def get_backend(cfg) -> ModuleType:
     """The backend module for a Config (see the module docstring for what it defines)."""
     return backend_module(backend_name(cfg.model))
+
+
+def backend_of(model) -> ModuleType | None:
+    """The backend that built ``model`` (its ``backend_name``; under DDP, of ``model.module``); None if none did."""
+    name = getattr(getattr(model, "module", model), "backend_name", "")
+    return backend_module(name) if name else None
+
+
+def outermost_blocks(model, is_block, skip=()) -> list:
+    """The submodules of ``model`` (not itself) for which ``is_block(module)``, outermost first, in model
+    order: a block inside one already taken is not listed. Modules inside ``skip`` are never taken.
+    Duck-typed (``.modules()``), so this module imports no torch."""
+    skipped = {id(m) for part in skip for m in part.modules()}
+    blocks, taken = [], set()
+    for module in model.modules():
+        if id(module) in taken or module is model or id(module) in skipped or not is_block(module):
+            continue
+        blocks.append(module)
+        taken.update(id(m) for m in module.modules())
+    return blocks
 
 
 def configure(cfg):

@@ -57,13 +57,6 @@ def checkpoint_files(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
     return read_json(root / "config.json"), processor
 
 
-def flag_name(key: str) -> str:
-    """How a user sets config field ``key`` ("section.field"): its command-line flag, else --set."""
-    from ray_mmbatch.cli import FLAGS
-
-    return next((flag for flag, k in FLAGS.items() if k == key), f"--set {key}")
-
-
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -81,7 +74,7 @@ def adopt_setting(cfg, key: str, value: Any, source: str, user_may_override: boo
     resolution bound, where the user's value wins). A user value equal to the default cannot
     be told from an unset one, so it is replaced by the checkpoint's.
     """
-    from ray_mmbatch.config import Config
+    from ray_mmbatch.config import Config, flag_for
 
     section_name, _, name = key.partition(".")
     section = getattr(cfg, section_name)
@@ -94,7 +87,7 @@ def adopt_setting(cfg, key: str, value: Any, source: str, user_may_override: boo
     if not _same(current, default) and not _same(current, value):
         if user_may_override:
             return
-        raise ValueError(f"{key} = {current!r} ({flag_name(key)}) contradicts the checkpoint: {source} says "
+        raise ValueError(f"{key} = {current!r} ({flag_for(key)}) contradicts the checkpoint: {source} says "
                          f"{value!r}. Drop the setting (the checkpoint's value is then used) or use a matching "
                          "checkpoint.")
     setattr(section, name, value)
@@ -166,15 +159,21 @@ class HFModel(nn.Module):
     ``adapter(batch) -> dict`` gives the HF base model's kwargs for one batch;
     ``vision(hf_model) -> list[nn.Module]`` names the vision submodules, kept in the
     autograd graph with zero gradient when a batch has no image (DDP wants every
-    parameter used on every rank).
+    parameter used on every rank). ``backend_name``: the registry entry that built it
+    (models.backend_of).
     """
 
     def __init__(self, hf_model: nn.Module, adapter: Callable[[dict], dict[str, Any]],
-                 vision: Callable[[nn.Module], list[nn.Module]]):
+                 vision: Callable[[nn.Module], list[nn.Module]], backend_name: str = ""):
         super().__init__()
         self.hf_model = hf_model
         self._adapter = adapter
         self._vision = vision
+        self.backend_name = backend_name
+
+    def vision_modules(self) -> list[nn.Module]:
+        """The vision submodules (the backend's ``vision``): a batch without images does not run them."""
+        return list(self._vision(self.hf_model))
 
     def forward_inputs(self, batch: dict) -> dict[str, Any]:
         """The kwargs the HF base model gets for this batch (use_cache=False included)."""
@@ -197,11 +196,30 @@ class HFModel(nn.Module):
         hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
         patches = batch.get("patches")
         if torch.is_grad_enabled() and (patches is None or patches.shape[0] == 0):
-            hidden = hidden + 0.0 * sum(p.sum() for m in self._vision(self.hf_model) for p in m.parameters())
+            hidden = hidden + 0.0 * sum(p.sum() for m in self.vision_modules() for p in m.parameters())
         if not loss_only:
             return self.hf_model.lm_head(hidden)
         labels = batch["labels"]
         return self._target_ce(hidden, labels, "sum"), (labels != IGNORE_INDEX).sum()
+
+
+STATE_PREFIX = "hf_model."
+"""HFModel's state_dict keys of the transformers model start with this (``save_pretrained`` wants it stripped)."""
+
+
+def fsdp_units(model: HFModel) -> list[nn.Module]:
+    """The transformers model's blocks outside its vision modules, outermost first, in model order.
+
+    Blocks: the classes the model's ``_no_split_modules`` names (its decoder layers, and vision
+    blocks, which stay in the root unit); without names, the entries of every ``nn.ModuleList``.
+    """
+    from ray_mmbatch.models import outermost_blocks
+
+    names = set(getattr(model.hf_model, "_no_split_modules", None) or ())
+    if names:
+        return outermost_blocks(model, lambda m: type(m).__name__ in names, skip=model.vision_modules())
+    in_list = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    return outermost_blocks(model, lambda m: id(m) in in_list, skip=model.vision_modules())
 
 
 def export_hf(model: nn.Module, cfg, directory, state_dict: dict | None = None) -> Path:

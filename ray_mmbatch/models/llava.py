@@ -176,8 +176,27 @@ def make_adapter(hf_model, image_cfg):
     return adapter
 
 
-def vision_modules(hf_model) -> list:
+def _vision_modules(hf_model) -> list:
     return [hf_model.model.vision_tower, hf_model.model.multi_modal_projector]
+
+
+def vision_modules(model) -> list:
+    """The vision tower and projector of the HFModel: a batch without images does not run them."""
+    return _vision_modules(model.hf_model)
+
+
+def fsdp_units(model) -> list:
+    """The decoder layers (the HF model's ``_no_split_modules`` outside the vision tower: hf_common.fsdp_units)."""
+    from ray_mmbatch.models.hf_common import fsdp_units
+
+    return fsdp_units(model)
+
+
+def state_prefix(model) -> str:
+    """``hf_model.``: export's save_pretrained takes the transformers model's keys (hf_common.STATE_PREFIX)."""
+    from ray_mmbatch.models.hf_common import STATE_PREFIX
+
+    return STATE_PREFIX
 
 
 def freeze_unused_vision(hf_model) -> int:
@@ -213,7 +232,7 @@ def create_model(cfg, ids: dict):
     freeze_unused_vision(hf)
     if cfg.model.gradient_checkpointing:
         enable_activation_checkpointing(hf)
-    return HFModel(hf, make_adapter(hf, cfg.image), vision_modules)
+    return HFModel(hf, make_adapter(hf, cfg.image), _vision_modules, NAME)
 
 
 def export(model, cfg, directory, state_dict=None) -> Path:

@@ -202,6 +202,25 @@ def _vision_modules(hf_model) -> list:
     return [hf_model.model.visual]
 
 
+def vision_modules(model) -> list:
+    """The vision tower of the HFModel: a batch without images does not run it."""
+    return _vision_modules(model.hf_model)
+
+
+def fsdp_units(model) -> list:
+    """The decoder layers (the HF model's ``_no_split_modules`` outside the vision tower: hf_common.fsdp_units)."""
+    from ray_mmbatch.models.hf_common import fsdp_units
+
+    return fsdp_units(model)
+
+
+def state_prefix(model) -> str:
+    """``hf_model.``: export's save_pretrained takes the transformers model's keys (hf_common.STATE_PREFIX)."""
+    from ray_mmbatch.models.hf_common import STATE_PREFIX
+
+    return STATE_PREFIX
+
+
 def create_model(cfg, ids: dict):
     """The checkpoint's *ForConditionalGeneration wrapped in HFModel with the Qwen adapter."""
     from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
@@ -220,7 +239,7 @@ def create_model(cfg, ids: dict):
         enable_activation_checkpointing(hf)
     adapter = QwenAdapter(hf.model, config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
                           cfg.image.temporal_patch_size)
-    return HFModel(hf, adapter, _vision_modules)
+    return HFModel(hf, adapter, _vision_modules, NAME)
 
 
 def export(model, cfg, directory, state_dict=None) -> None:

@@ -23,7 +23,8 @@ sum of their parameters instead), while a rank with images does. FSDP pairs its
 collectives by order across ranks, so a unit that one rank runs and another skips
 gathers on one side only: DTensor errors or hangs. Units are therefore the blocks
 every rank runs every step: the decoder layers. Vision towers are small next to
-the LM (Qwen2-VL-7B: 0.7 B of 8.3 B), so this costs a few GB at most.
+the LM (Qwen2-VL-7B: 0.7 B of 8.3 B), so this costs a few GB at most. The model's
+backend (models/) names both: ``fsdp_units(model)`` and ``vision_modules(model)``.
 
 Checkpoint layout, one folder once Ray Train has merged every rank's upload::
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -55,56 +57,35 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ray_mmbatch.models import backend_of, outermost_blocks
 from ray_mmbatch.train import checkpoint as ckpt
 
-BUILTIN_BLOCKS = ("DecoderBlock", "VisionBlock")  # the built-in model's blocks (VisionBlock: see conditional_parts)
 
-
-def conditional_parts(model: nn.Module) -> list[nn.Module]:
-    """Submodules a rank may skip in a step: the vision tower on a text-only batch."""
-    if hasattr(model, "hf_model") and callable(getattr(model, "_vision", None)):
-        return list(model._vision(model.hf_model))          # HFModel: the backend names its vision modules
-    vision = getattr(model, "vision", None)                 # the built-in model
-    return [vision] if isinstance(vision, nn.Module) else []
-
-
-def block_names(model: nn.Module) -> set[str] | None:
-    """Class names of the model's transformer blocks; None = unknown (see shard_units)."""
-    for owner in (getattr(model, "hf_model", None), model):
-        names = getattr(owner, "_no_split_modules", None)
-        if names:
-            return set(names)
-    if any(type(m).__name__ in BUILTIN_BLOCKS for m in model.modules()):
-        return set(BUILTIN_BLOCKS)
-    return None
-
-
-def shard_units(model: nn.Module) -> list[nn.Module]:
+def shard_units(model: nn.Module, backend: ModuleType | None = None) -> list[nn.Module]:
     """The modules that get their own FSDP unit, outermost first, in model order.
 
-    Blocks are the modules whose class is in ``block_names`` (HF: ``_no_split_modules``;
-    built-in: DecoderBlock / VisionBlock); without names, the entries of every
-    ``nn.ModuleList`` (the usual layer stack). Blocks inside ``conditional_parts``
-    are left to the root unit (module docstring).
+    ``backend`` (the models/ backend that built the model; default ``models.backend_of(model)``)
+    names them: its ``fsdp_units``, refused if one lies inside its ``vision_modules`` (those
+    stay in the root unit: module docstring). A model no backend built: the entries of every
+    ``nn.ModuleList`` (the usual layer stack).
     """
-    names = block_names(model)
-    skipped = {id(m) for part in conditional_parts(model) for m in part.modules()}
-    in_list = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
-    units: list[nn.Module] = []
-    taken: set[int] = set()
-    for module in model.modules():
-        if id(module) in taken:
-            continue
-        is_block = type(module).__name__ in names if names is not None else id(module) in in_list
-        if is_block and id(module) not in skipped and module is not model:
-            units.append(module)
-            taken.update(id(m) for m in module.modules())
+    backend = backend if backend is not None else backend_of(model)
+    if backend is None:
+        in_list = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+        return outermost_blocks(model, lambda m: id(m) in in_list)
+    units = list(backend.fsdp_units(model))
+    vision = {id(m) for part in backend.vision_modules(model) for m in part.modules()}
+    inside = [type(u).__name__ for u in units if id(u) in vision]
+    if inside:
+        raise ValueError(f"backend {getattr(backend, 'NAME', backend)!r} names FSDP units inside its vision "
+                         f"modules ({inside}): a rank whose batch has no image would skip their collectives; "
+                         "they belong to the root unit")
     return units
 
 
 def shard_model(model: nn.Module, device: torch.device | str, mixed_precision: torch.dtype | None = None,
-                units: Iterable[nn.Module] | None = None) -> nn.Module:
-    """``fully_shard`` each unit (``shard_units`` unless given), then the root; returns the model.
+                units: Iterable[nn.Module] | None = None, backend: ModuleType | None = None) -> nn.Module:
+    """``fully_shard`` each unit (``shard_units(model, backend)`` unless given), then the root; returns the model.
 
     Every rank must hold the same weights beforehand (same seed, or the same
     checkpoint): FSDP keeps each rank's slice of its own copy and broadcasts
@@ -124,7 +105,7 @@ def shard_model(model: nn.Module, device: torch.device | str, mixed_precision: t
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = (MixedPrecisionPolicy(param_dtype=mixed_precision, reduce_dtype=torch.float32)
               if mixed_precision is not None else MixedPrecisionPolicy())
-    for unit in shard_units(model) if units is None else units:
+    for unit in shard_units(model, backend) if units is None else units:
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
@@ -179,8 +160,8 @@ def full_state_dict(model: nn.Module, prefix: str = "") -> dict[str, torch.Tenso
     """The full (unsharded) state dict on rank 0, on the CPU; None on other ranks. Every rank calls it.
 
     Parameters are gathered one at a time, so no device holds the whole model.
-    ``prefix`` keeps only the keys under it, stripped: ``"hf_model."`` gives what
-    ``hf_model.save_pretrained(dir, state_dict=...)`` wants.
+    ``prefix`` keeps only the keys under it, stripped: the backend's ``state_prefix(model)``
+    gives what its ``export(..., state_dict=...)`` wants.
     """
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() != 0:

@@ -32,6 +32,21 @@ def create_model(cfg, ids: dict):
                        pad_id=ids["pad_id"])
 
 
+def fsdp_units(model: VisionLanguageModel) -> list:
+    """The decoder blocks (the vision blocks stay in the root unit: see vision_modules)."""
+    return list(model.decoder.blocks)
+
+
+def vision_modules(model: VisionLanguageModel) -> list:
+    """The vision encoder (patch embedding, blocks, projector to the LM width): text-only batches skip it."""
+    return [model.vision]
+
+
+def state_prefix(model: VisionLanguageModel) -> str:
+    """The whole state dict is the model's: no prefix."""
+    return ""
+
+
 def export(model, cfg, directory, state_dict=None) -> None:
     """model.pt (state dict; ``state_dict`` when given, e.g. gathered from FSDP shards) + config.yaml:
     what ``build_model`` needs to rebuild it."""
@@ -50,5 +65,5 @@ def export(model, cfg, directory, state_dict=None) -> None:
 __all__ = [
     "BACKENDS", "AttentionLayout", "attend", "pack_layout", "pad_layout", "resolve_backend",
     "VisionLanguageModel", "batch_mode", "build_model", "count_parameters",
-    "NAME", "MODEL_TYPES", "configure", "create_model", "export",
+    "NAME", "MODEL_TYPES", "configure", "create_model", "fsdp_units", "vision_modules", "state_prefix", "export",
 ]

@@ -52,6 +52,8 @@ def batch_mode(batch: dict) -> str:
 
 
 class VisionLanguageModel(nn.Module):
+    backend_name = "builtin"  # the models/ registry entry that builds it (models.backend_of)
+
     def __init__(self, model_cfg: ModelConfig, image_cfg: ImageConfig, vocab_size: int,
                  image_token_id: int, pad_id: int):
         super().__init__()
