@@ -11,6 +11,9 @@ Pure module: no ray, no torch.
 """
 from __future__ import annotations
 
+import json
+from dataclasses import asdict, dataclass
+
 # ---------------------------------------------------------------- RAW row
 # One row per sample, as produced by every reader (data/sources.py).
 SAMPLE_ID = "sample_id"          # str, unique within a dataset
@@ -38,10 +41,14 @@ IMAGE_TOKENS = "image_tokens"    # int: sum over images of h * w / merge**2
 PATCHES = "patches"              # int: sum over images of t * h * w (vision-encoder sequence length)
 N_IMAGES = "n_images"            # int
 TOKENS = "tokens"                # int: full LM sequence length = text_tokens + image_tokens
-SKIP_REASON = "skip_reason"      # str: "" if usable, else one of SKIP_*
+SKIP_REASON = "skip_reason"      # str: "" if usable, else one of SKIP_* (skip_text: "reason: detail")
+# The id of the tokenizer's IMAGE_PAD token, carried on every measured row so that
+# stages holding no tokenizer (oversize policy, materialize) can find the image slots
+# in TEXT_IDS; a different tokenizer gives a different id, so it cannot be a constant.
+IMAGE_TOKEN_ID = "image_token_id"  # int
 
 MEASURED_COLUMNS = RAW_COLUMNS + (
-    TEXT_IDS, TEXT_TARGET, GRIDS, TEXT_TOKENS, IMAGE_TOKENS, PATCHES, N_IMAGES, TOKENS, SKIP_REASON,
+    TEXT_IDS, TEXT_TARGET, GRIDS, TEXT_TOKENS, IMAGE_TOKENS, PATCHES, N_IMAGES, TOKENS, SKIP_REASON, IMAGE_TOKEN_ID,
 )
 
 # --------------------------------------------------------------- skip reasons
@@ -87,9 +94,8 @@ BATCH_PADDED_TOKENS = "padded_tokens"  # int: tokens of compute the batch occupi
                                        # (budget for pack, rows*longest for pad)
 BATCH_TARGET_TOKENS = "target_tokens"  # int: tokens with a label (loss normalizer)
 BATCH_N_SAMPLES = "n_samples"          # int
-BATCH_SKIPPED = "skipped"              # str: JSON list of [sample_id, reason] dropped while materializing
-BATCH_POSITIONS = "positions"          # list<int64>: read position (data/position.py) of each sample id, then of
-                                       # each skipped entry, in that order (-1: none)
+BATCH_SKIPPED = "skipped"              # str: the batch's skip records (SkipRecord below: encode_skips)
+BATCH_POSITIONS = "positions"          # list<int64>: read position (data/position.py) of each sample id (-1: none)
 BATCH_POSITION_UNIT_ROWS = "position_unit_rows"  # list<int64>: row count of each position's read unit
 
 # ---------------------------------------------------------- special tokens
@@ -120,22 +126,7 @@ def canonical_role(role) -> str | None:
     """'Human', 'USER', 'gpt', 'Assistant' ... -> system | human | gpt; None for anything else."""
     return ROLE_NAMES.get(role.strip().lower()) if isinstance(role, str) else None
 
-# ---------------------------------------------------------------- run dir
-# What a training run writes under its output dir (read by jobs/report.py).
-RUN_SUMMARY = "summary.json"     # final figures (see train/loop.py)
-RUN_METRICS = "metrics.jsonl"    # one JSON object per report: step, loss, tokens_per_s, ...
-RUN_BATCHES = "batches.jsonl"    # one JSON object per trained batch: step, rank, real/padded/target tokens,
-                                 # n_samples, budget
-RUN_SKIPPED = "skipped.csv"      # id,reason for every skipped sample
-RUN_SKIP_LOG = "skipped.jsonl"   # the skip records as the ranks sent them (a restore may repeat one)
-RUN_LEDGER = "ledger"            # folder: per-rank sample-id ledger files (optional)
-
-# ------------------------------------------ MEASURED row, added by data/measure.py
-# The id of the tokenizer's IMAGE_PAD token, carried on every measured row so that
-# stages holding no tokenizer (oversize policy, materialize) can find the image slots
-# in TEXT_IDS; a different tokenizer gives a different id, so it cannot be a constant.
-IMAGE_TOKEN_ID = "image_token_id"  # int
-MEASURED_COLUMNS = MEASURED_COLUMNS + (IMAGE_TOKEN_ID,)
+# The files of a run folder: run/rundir.py (RunDir).
 
 
 # ---------------------------------------------------------------- epochs and resume
@@ -143,3 +134,52 @@ def epoch_dataset_name(epoch: int) -> str:
     """The Ray Train dataset name of one epoch's stream (one dataset per epoch, train/trainer.py)."""
     return f"train_e{epoch}"
 
+
+
+# ---------------------------------------------------------------- skip records
+# A skip travels as text in the RAW / MEASURED columns (READ_ERROR, SKIP_REASON: "reason" or
+# "reason: detail", built by skip_text and split by parse_skip, nowhere else) and as a
+# SkipRecord from the plan stage on: in BATCH_SKIPPED, the run's skip log and skipped.csv.
+@dataclass(frozen=True)
+class SkipRecord:
+    """One sample (or unreadable file) left out, and why; ``position`` / ``unit_rows``: its read
+    position (data/position.py), so a resume knows it is done (-1 / 0: none)."""
+
+    sample_id: str
+    reason: str
+    detail: str = ""
+    position: int = -1
+    unit_rows: int = 0
+
+    @classmethod
+    def of(cls, sample_id: str, text: str, position: int = -1, unit_rows: int = 0) -> SkipRecord:
+        """From the column text ("reason: detail")."""
+        reason, detail = parse_skip(text)
+        return cls(str(sample_id), reason, detail, int(position), int(unit_rows))
+
+    @property
+    def text(self) -> str:
+        return skip_text(self.reason, self.detail)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def skip_text(reason: str, detail: str = "") -> str:
+    """The column text of a skip: ``"reason"`` or ``"reason: detail"``."""
+    return f"{reason}: {detail}" if detail and detail != reason else reason
+
+
+def parse_skip(text: str) -> tuple[str, str]:
+    """``"reason: detail"`` -> (reason, detail); the inverse of skip_text."""
+    reason, _, detail = str(text).partition(":")
+    return reason.strip(), detail.strip()
+
+
+def encode_skips(records: list[SkipRecord]) -> str:
+    """The BATCH_SKIPPED cell: JSON of the records' fields (a cell holds any number, none included)."""
+    return json.dumps([r.to_dict() for r in records])
+
+
+def decode_skips(cell) -> list[SkipRecord]:
+    return [SkipRecord(**d) for d in json.loads(str(cell))]

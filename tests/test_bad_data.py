@@ -48,7 +48,7 @@ def trained_and_skipped(path, oversize: str = "truncate", **data) -> tuple[list[
     trained, skipped = [], {}
     for item in local_batches(cfg, with_skips=True):
         if "skipped" in item:
-            skipped.update({sid: reason for sid, reason in item["skipped"]})
+            skipped.update({s.sample_id: s.text for s in item["skipped"]})
         else:
             trained += list(item["sample_ids"])
     return trained, skipped
@@ -380,7 +380,7 @@ def test_local_batches_shards_split_the_units_without_loss_or_overlap(tmp_path):
         trained, skipped = [], []
         for item in local_batches(cfg, with_skips=True, shard=(i, 3)):
             if "skipped" in item:
-                skipped += [sid for sid, _ in item["skipped"]]
+                skipped += [s.sample_id for s in item["skipped"]]
             else:
                 trained += list(item["sample_ids"])
         assert trained or skipped, f"shard {i} read nothing"

@@ -15,6 +15,7 @@ from ray_mmbatch.data.measure import measure_batch
 from ray_mmbatch.data.text.encoder import tokenizer_for
 from ray_mmbatch.formats.fs import DataLocationError
 from ray_mmbatch.formats.units import count_samples, read_units
+from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.synthetic.generate import generate_dataset
 
 moto_server = pytest.importorskip("moto.server")
@@ -175,9 +176,9 @@ def test_short_train_from_s3_trains_every_sample_of_the_local_copy(ray_cluster, 
     assert any(p.endswith("/state.json") for p in stored) and not (out / "ray_storage").exists(), stored
     position = read_latest_position(tmp_path / "nowhere", f"{cfg.train.storage}/run")
     assert position is not None and position["epochs"], position
-    trained = [sid for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl"))
+    trained = [sid for p in sorted((out / RunDir.LEDGER).glob("rank*.jsonl"))
                for line in p.read_text().splitlines() for sid in json.loads(line)["sample_ids"]]
-    with open(out / S.RUN_SKIPPED) as f:
+    with open(out / RunDir.SKIPPED) as f:
         skipped = [r["sample_id"] for r in csv.DictReader(f)]
     assert sorted(trained + skipped) == sorted(_measured(str(local / "parquet"), "parquet"))
     assert len(set(trained)) == len(trained) == summary["samples"] >= 24 - len(skipped)

@@ -12,6 +12,7 @@ import pytest
 from ray_mmbatch.config import Config
 from ray_mmbatch.run.guards import SKIP_CHECK_MIN_SAMPLES, explain_skips, find_image_folder, skip_fraction_exceeded
 from ray_mmbatch.run.preflight import PreflightError, preflight
+from ray_mmbatch.schema import SkipRecord
 from ray_mmbatch.synthetic.generate import generate_dataset
 
 BIN = Path(sys.executable).parent
@@ -58,8 +59,8 @@ def test_explanation_names_reasons_examples_and_the_folder(tmp_path):
         (tmp_path / "pics" / "a" / name).write_bytes(b"jpg")
     assert find_image_folder(["a/x.jpg", "a/y.jpg"], str(tmp_path)) == str(tmp_path / "pics")
     cfg = _cfg(tmp_path / "data.json", format="llava")
-    text = explain_skips([("s1", "missing_file: a/x.jpg"), ("s2", "missing_file: a/y.jpg"),
-                          ("s3", "corrupt_image: truncated")], 4, 0.5, cfg.data)
+    text = explain_skips([SkipRecord("s1", "missing_file", "a/x.jpg"), SkipRecord("s2", "missing_file", "a/y.jpg"),
+                          SkipRecord.of("s3", "corrupt_image: truncated")], 4, 0.5, cfg.data)
     assert "3 of 4 samples (75%)" in text and "missing_file: 2  e.g. s1 (a/x.jpg)" in text
     assert f"--image-root {tmp_path / 'pics'}" in text and "corrupt_image: 1" in text
 
@@ -138,3 +139,15 @@ def test_inspect_reads_it_all_and_warns_with_the_fix(llava_images_beside, tmp_pa
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["samples_read"] == 56 and summary["skipped"]["missing_file"] > 28
     assert "[inspect] warning:" in r.stderr and f"--image-root {images}" in r.stderr
+
+
+def test_every_hint_names_a_real_reason_and_says_something(tmp_path):
+    from ray_mmbatch import schema as S
+    from ray_mmbatch.run.guards import HINTS, hint_for
+
+    reasons = {v for k, v in vars(S).items() if k.startswith("SKIP_")}
+    assert set(HINTS) <= reasons, set(HINTS) - reasons
+    cfg = _cfg(tmp_path / "data.json", format="llava")
+    for reason in HINTS:
+        assert hint_for(reason, [("s", "a/x.jpg")], cfg.data), reason
+    assert hint_for("corrupt_image", [], cfg.data) == ""  # no fix to suggest: the file itself is broken

@@ -6,8 +6,6 @@ same run twice gives the same batches in deterministic mode.
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -98,9 +96,10 @@ def test_every_sample_once_within_budget(ray_cluster, bad_datasets, fmt, mode, e
     for row in rows:
         if int(row[S.BATCH_N_SAMPLES]):
             trained += list(_check_batch(row, cfg)["sample_ids"])
-        for sid, reason in json.loads(row[S.BATCH_SKIPPED]):
-            assert sid not in skipped, f"{sid} reported twice"
-            skipped[sid] = reason.split(":")[0]
+        for rec in S.decode_skips(row[S.BATCH_SKIPPED]):
+            assert rec.sample_id not in skipped, f"{rec.sample_id} reported twice"
+            assert rec.position >= 0 and rec.unit_rows > 0, rec  # a resume must know it is done
+            skipped[rec.sample_id] = rec.reason
     assert len(trained) == len(set(trained)), "a sample was batched twice"
     assert not set(trained) & set(skipped)
     assert sorted(trained + list(skipped)) == sorted(manifest["ids"]), "a sample was lost"

@@ -1,6 +1,6 @@
 """The run report: figures recomputed from a generated run dir, self-contained HTML, clear errors.
 
-The run dir is written the way the training loop writes it (schema.RUN_*), with
+The run dir is written the way the training run writes it (run/rundir.RunDir), with
 numpy-made values shaped like a real 2-rank pack-mode run, so the expected
 numbers are computed here independently of ray_mmbatch.run.report.
 """
@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from ray_mmbatch import schema
-from ray_mmbatch.run.report import FIGURES, REPORT_HTML, REPORT_JSON, make_report
+from ray_mmbatch.run.report import FIGURES, make_report
+from ray_mmbatch.run.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
 SKIPS = [("s-0003", schema.SKIP_CORRUPT_IMAGE, "truncated JPEG"), ("s-0017", schema.SKIP_MISSING_FILE, "a/b.png"),
@@ -48,9 +49,9 @@ def write_fake_run(run_dir: Path, steps: int = 60, ranks: int = 2, budget: int =
                         "lr": 3e-3 * min(1.0, step / 10), "tokens_per_s": tps, "padded_tokens_per_s": tps / 0.93,
                         "samples_per_s": tps / 310, "fill": float(rng.beta(30, 2)), "step_time_s": step_time,
                         "data_wait_frac": float(rng.uniform(0.0, 0.2)), "peak_mem_mb": 900.0 + step})
-    (run_dir / schema.RUN_BATCHES).write_text("".join(json.dumps(b) + "\n" for b in batches))
-    (run_dir / schema.RUN_METRICS).write_text("".join(json.dumps(m) + "\n" for m in metrics))
-    with (run_dir / schema.RUN_SKIPPED).open("w", newline="") as f:
+    (run_dir / RunDir.BATCHES).write_text("".join(json.dumps(b) + "\n" for b in batches))
+    (run_dir / RunDir.METRICS).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    with (run_dir / RunDir.SKIPPED).open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["sample_id", "reason", "detail"])
         w.writerows(SKIPS)
@@ -64,14 +65,14 @@ def write_fake_run(run_dir: Path, steps: int = 60, ranks: int = 2, budget: int =
                "initial_loss": metrics[0]["loss"], "final_loss": metrics[-1]["loss"], "skipped": skipped,
                "wall_s": 51.3, "config": {"train": {"num_workers": ranks}},
                "budget": {"max_tokens": budget, "mode": "pack"}}
-    (run_dir / schema.RUN_SUMMARY).write_text(json.dumps(summary))
+    (run_dir / RunDir.SUMMARY).write_text(json.dumps(summary))
     return {"batches": batches, "metrics": metrics, "summary": summary}
 
 
 def test_report_values_match_inputs(tmp_path):
     made = write_fake_run(tmp_path)
     report = make_report(tmp_path)
-    on_disk = json.loads((tmp_path / REPORT_JSON).read_text())
+    on_disk = json.loads((tmp_path / RunDir.REPORT_JSON).read_text())
     assert on_disk["batch_stats"] == report["batch_stats"]
 
     b = made["batches"]
@@ -103,7 +104,7 @@ def test_report_values_match_inputs(tmp_path):
 def test_html_is_self_contained_and_has_every_plot(tmp_path):
     write_fake_run(tmp_path, steps=10)
     make_report(tmp_path)
-    page = (tmp_path / REPORT_HTML).read_text()
+    page = (tmp_path / RunDir.REPORT_HTML).read_text()
     for fid, title in FIGURES:
         assert f'id="{fid}"' in page, fid
         assert title in page.replace("\\u002f", "/")  # plotly's JSON escapes "/"
@@ -115,11 +116,11 @@ def test_html_is_self_contained_and_has_every_plot(tmp_path):
 def test_problems_in_the_run_become_warnings(tmp_path):
     made = write_fake_run(tmp_path, steps=10)
     over = dict(made["batches"][3], padded_tokens=5000, real_tokens=4500)
-    lines = (tmp_path / schema.RUN_BATCHES).read_text().splitlines()
+    lines = (tmp_path / RunDir.BATCHES).read_text().splitlines()
     lines[3] = json.dumps(over)
     # A run killed mid-write: last line cut short, no newline.
-    (tmp_path / schema.RUN_BATCHES).write_text("\n".join(lines) + "\n" + '{"step": 11, "ra')
-    with (tmp_path / schema.RUN_SKIPPED).open("a", newline="") as f:
+    (tmp_path / RunDir.BATCHES).write_text("\n".join(lines) + "\n" + '{"step": 11, "ra')
+    with (tmp_path / RunDir.SKIPPED).open("a", newline="") as f:
         csv.writer(f).writerow(["s-9999", "gremlins", "?"])
     report = make_report(tmp_path)
     assert report["batch_stats"]["batches_over_budget"] == 1
@@ -139,28 +140,28 @@ def test_bad_run_dirs_fail_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="summary.json missing"):
         make_report(tmp_path)
     write_fake_run(tmp_path, steps=3)
-    (tmp_path / schema.RUN_METRICS).write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    (tmp_path / RunDir.METRICS).write_text('{"step": 1}\nnot json\n{"step": 3}\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
         make_report(tmp_path)
-    (tmp_path / schema.RUN_METRICS).write_text('{"step": 1}\n')
-    (tmp_path / schema.RUN_BATCHES).write_text('{"step": 1, "real_tokens": 10}\n')
+    (tmp_path / RunDir.METRICS).write_text('{"step": 1}\n')
+    (tmp_path / RunDir.BATCHES).write_text('{"step": 1, "real_tokens": 10}\n')
     with pytest.raises(ValueError, match=r"batches.jsonl:1: missing or non-numeric \['padded_tokens'\]"):
         make_report(tmp_path)
-    (tmp_path / schema.RUN_BATCHES).write_text('{"step": 1, "real_tokens": 10, "padded_tokens": 16}\n')
-    (tmp_path / schema.RUN_SKIPPED).write_text("id,why\nx,y\n")
+    (tmp_path / RunDir.BATCHES).write_text('{"step": 1, "real_tokens": 10, "padded_tokens": 16}\n')
+    (tmp_path / RunDir.SKIPPED).write_text("id,why\nx,y\n")
     with pytest.raises(ValueError, match="header must be"):
         make_report(tmp_path)
 
 
 def test_missing_optional_files_still_report(tmp_path):
     write_fake_run(tmp_path, steps=3)
-    for name in (schema.RUN_METRICS, schema.RUN_BATCHES, schema.RUN_SKIPPED):
+    for name in (RunDir.METRICS, RunDir.BATCHES, RunDir.SKIPPED):
         (tmp_path / name).unlink()
     report = make_report(tmp_path)
     assert report["batch_stats"] == {"n_batches": 0}
     assert report["skipped"]["summary"]["missing_file"] == 3  # from summary.json alone
     assert sum("missing" in w for w in report["warnings"]) == 3
-    assert (tmp_path / REPORT_HTML).exists()
+    assert (tmp_path / RunDir.REPORT_HTML).exists()
 
 
 def test_missing_plotly_is_a_clear_error(tmp_path):
@@ -179,7 +180,7 @@ def test_cli_writes_both_files(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), str(tmp_path), "--out", str(out)],
                           capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    assert (out / REPORT_HTML).exists() and (out / REPORT_JSON).exists()
+    assert (out / RunDir.REPORT_HTML).exists() and (out / RunDir.REPORT_JSON).exists()
     bad = subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), str(tmp_path / "missing")],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 1 and "does not exist" in bad.stderr

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
+from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.synthetic.generate import generate_dataset
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -45,7 +45,7 @@ def _cfg(data, out: Path, **train) -> Config:
 
 def ledger_rows(out: Path) -> list[dict]:
     """Every ledger record of every rank: step, epoch, batch_id, sample_ids."""
-    return [json.loads(ln) for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl"))
+    return [json.loads(ln) for p in sorted((out / RunDir.LEDGER).glob("rank*.jsonl"))
             for ln in p.read_text().splitlines()]
 
 
@@ -54,7 +54,7 @@ def ledger(out: Path, epoch: int | None = None) -> list[str]:
 
 
 def skipped(out: Path) -> dict[str, str]:
-    with open(out / S.RUN_SKIPPED) as f:
+    with open(out / RunDir.SKIPPED) as f:
         return {r["sample_id"]: r["reason"] for r in csv.DictReader(f)}
 
 
@@ -106,14 +106,14 @@ def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet,
     assert max(r["step"] for r in rows if r["epoch"] == 0) < min(r["step"] for r in rows if r["epoch"] == 1)
     assert set(partial) <= set(ledger(out, 0))
     # by epochs (no max_steps) the cosine follows the samples done: the run ends at the floor
-    last = json.loads((out / S.RUN_METRICS).read_text().splitlines()[-1])
+    last = json.loads((out / RunDir.METRICS).read_text().splitlines()[-1])
     assert last["lr"] < 0.15 * Config().train.lr, last["lr"]
-    batches = [json.loads(ln) for ln in (out / S.RUN_BATCHES).read_text().splitlines()]
+    batches = [json.loads(ln) for ln in (out / RunDir.BATCHES).read_text().splitlines()]
     assert {b["rank"] for b in batches} == {0, 1}
     assert all(b["real_tokens"] <= 2048 for b in batches)
     assert summary["samples"] == len(ledger(out))
     assert summary["skipped_total"] == len(skipped(out)) > 0
-    steps = [json.loads(ln)["step"] for ln in (out / S.RUN_METRICS).read_text().splitlines()]
+    steps = [json.loads(ln)["step"] for ln in (out / RunDir.METRICS).read_text().splitlines()]
     assert steps == sorted(set(steps)), "metrics of undone steps must be trimmed on restore"
 
 
@@ -152,7 +152,7 @@ def test_preprocessing_worker_killed_mid_epoch(ray_cluster, bad_parquet, tmp_pat
 
 
 def _batches(out: Path) -> list[tuple[str, list[str]]]:
-    rows = [json.loads(ln) for ln in (out / S.RUN_LEDGER / "rank0.jsonl").read_text().splitlines()]
+    rows = [json.loads(ln) for ln in (out / RunDir.LEDGER / "rank0.jsonl").read_text().splitlines()]
     return [(r["batch_id"], r["sample_ids"]) for r in rows]
 
 

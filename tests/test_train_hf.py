@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
+from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.synthetic.generate import generate_dataset
 from tests.hf_checkpoints import make_qwen_checkpoint
 
@@ -47,12 +47,12 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
     assert first["steps"] == 2
     summary = run_training(cfg(4))
     assert summary["steps"] == 4
-    rows = [json.loads(ln) for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl"))
+    rows = [json.loads(ln) for p in sorted((out / RunDir.LEDGER).glob("rank*.jsonl"))
             for ln in p.read_text().splitlines()]
     assert {r["step"] for r in rows} == {1, 2, 3, 4}
     trained = [s for r in rows for s in r["sample_ids"]]
     assert trained and len(trained) == len(set(trained)), "a sample was trained twice across the resume"
-    losses = [json.loads(ln)["loss"] for ln in (out / S.RUN_METRICS).read_text().splitlines()]
+    losses = [json.loads(ln)["loss"] for ln in (out / RunDir.METRICS).read_text().splitlines()]
     assert all(0 < x < 20 for x in losses)
     assert (summary["config"]["image"]["patch_size"] == 14
             and summary["config"]["text"]["image_token"] == "<|image_pad|>")

@@ -78,7 +78,7 @@ def test_local_batches_cover_every_sample_once_within_budget(qwen_run):
     seen, skipped = [], []
     for item in local_batches(cfg, with_skips=True):
         if "skipped" in item:
-            skipped += [sid for sid, _ in item["skipped"]]
+            skipped += [s.sample_id for s in item["skipped"]]
             continue
         seen += list(item["sample_ids"])
         assert item["input_ids"].shape == (1, int(item["real_tokens"]))

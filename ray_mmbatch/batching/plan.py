@@ -3,14 +3,11 @@
 The registry maps names to pure planners with one signature
 ``pack_xxx(tokens, patches, images, budget) -> list[list[int]]`` (mosaicml
 streaming's shuffle registry style). Every planner here works in both modes; the
-defaults per mode were picked by measurement (benchmarks/bench_packing.py):
+defaults per mode were picked by measurement (benchmarks/bench_packing.py; the fills
+and speeds are in benchmarks/RESULTS.md, "Packing"):
 
-    pack: pack_best_fit_decreasing  99.43% fill at window 2048 (one batch over
-                                    the per-window bound in 32 windows), 1.9M/s;
-                                    99.84% with carry (batching/carry.py)
-    pad:  pad_sorted_buckets        98.24% padded fill at window 2048, minimum
-                                    batch count, 3M/s (the DP: +0.07 pt, 10x slower);
-                                    98.53% with carry
+    pack: pack_best_fit_decreasing  fullest batches at or next to the lower bound
+    pad:  pad_sorted_buckets        the minimum batch count at near the DP's padded fill
 
 Contract: every index exactly once; every batch within every limit; a sample
 that cannot fit alone raises OversizeError (never dropped); same inputs + seed

@@ -14,6 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ray_mmbatch.run.rundir import RunDir
+
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
@@ -23,7 +25,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    from ray_mmbatch.run.report import REPORT_HTML, REPORT_JSON, make_report
+    from ray_mmbatch.run.report import make_report
 
     args = build_parser(prog).parse_args(argv)
     try:
@@ -37,8 +39,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     stats = report["batch_stats"]
     print(f"{stats.get('n_batches', 0)} batches, fill {stats.get('fill_overall', 0):.3f}, "
           f"{report['skipped']['total']} skipped")
-    print(out / REPORT_HTML)
-    print(out / REPORT_JSON)
+    print(out / RunDir.REPORT_HTML)
+    print(out / RunDir.REPORT_JSON)
     return 0
 
 

@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     from ray_mmbatch.run.progress import ProgressPrinter, format_summary
     from ray_mmbatch.run.raylogs import quiet_ray
+    from ray_mmbatch.run.rundir import RunDir
 
     quiet_ray(args.verbose, own_progress=True)
     cfg = config_from_args(args)
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     out = Path(cfg.train.output_dir).resolve()
     print(f"[train] training -> {out} (Ray logs keep everything; --verbose shows them here)", flush=True)
     try:
-        with ProgressPrinter(out / "metrics.jsonl", cfg.train.max_steps):
+        with ProgressPrinter(out / RunDir.METRICS, cfg.train.max_steps):
             summary = run_training(cfg)
     except TooManySkipped as e:
         print(f"[train] error: {e}", file=sys.stderr, flush=True)

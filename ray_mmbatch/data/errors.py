@@ -2,11 +2,13 @@
 
 A bad sample is never dropped silently. The code that finds the problem raises a
 ``SampleSkip`` subclass whose ``reason`` is one of ``schema.SKIP_*``; the stage
-that catches it writes ``skip_reason`` as ``"reason: detail"`` so the report can
-count by the prefix and still show what exactly went wrong.
+that catches it writes ``skip_reason`` as ``"reason: detail"`` (schema.skip_text; read back
+with schema.parse_skip, into a schema.SkipRecord from the plan stage on).
 Pure module: no ray, no torch.
 """
 from __future__ import annotations
+
+from ray_mmbatch.schema import skip_text
 
 
 class SampleSkip(Exception):
@@ -18,5 +20,5 @@ class SampleSkip(Exception):
         self.detail = detail
 
     def skip_reason(self) -> str:
-        """The value for the ``skip_reason`` column: ``"reason"`` or ``"reason: detail"``."""
-        return f"{self.reason}: {self.detail}" if self.detail else self.reason
+        """The value for the ``skip_reason`` column: ``"reason"`` or ``"reason: detail"`` (schema.skip_text)."""
+        return skip_text(self.reason, self.detail)

@@ -11,9 +11,8 @@ measure (per batch of RAW rows, cheap)::
 Every input row comes out (same order, same count); a row that cannot be used keeps
 zero costs, empty lists and ``skip_reason = "reason: detail"``.
 
-Cost (one core, default ImageConfig): measure ~110 us/sample (~9,000 samples/s) for a
-one-JPEG short Q/A, ~330 us/sample over the generated mixture (generate.py; long
-conversations dominate).
+Cost: header reads and one tokenizer call per batch, no pixel decode; measured by
+benchmarks/bench_ingest.py and bench_text.py (figures in benchmarks/RESULTS.md).
 Pure module: no ray, no torch.
 """
 from __future__ import annotations

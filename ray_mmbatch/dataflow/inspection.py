@@ -15,10 +15,6 @@ from ray_mmbatch.config import Config, ImageConfig, TextConfig
 from ray_mmbatch.dataflow.pipeline import stage_args
 
 
-def _reason_key(reason: str) -> str:
-    return reason.split(":", 1)[0].strip()
-
-
 class InspectStage:
     """The data check in ONE actor stage: measure + materialize each block of RAW rows, keep counts.
 
@@ -70,7 +66,7 @@ class InspectStage:
             try:
                 s = materialize_sample({k: v[i] for k, v in m.items()}, self.image_cfg)
             except ImageSkip as e:
-                reasons[i] = f"{e.reason}: {e}"
+                reasons[i] = e.skip_reason()
                 continue
             mismatch[i] = len(s["input_ids"]) != int(m[S.TOKENS][i]) or len(s["patches"]) != int(m[S.PATCHES][i])
         return reasons, mismatch
@@ -140,7 +136,7 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
     files: dict[str, str] = {}  # read units that could not be read: one row each, id = the file (formats/)
     for sid, r in zip(cols.get(S.SAMPLE_ID, []), reasons):
         if r:
-            key = _reason_key(r)
+            key = S.parse_skip(r)[0]
             skipped[key] = skipped.get(key, 0) + 1
             if key == S.SKIP_UNREADABLE_FILE:
                 files[str(sid)] = str(r)

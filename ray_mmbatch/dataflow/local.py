@@ -11,7 +11,6 @@ for a whole dataset (pass ``limit``).
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -68,7 +67,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     """Collated batches (as a Train worker receives them) for ``cfg``; ``limit`` stops after that many.
 
     The config goes through ``models.configure`` first (a checkpoint's image / text settings).
-    ``with_skips`` also yields ``{"skipped": [[sample_id, reason], ...]}`` records as they occur.
+    ``with_skips`` also yields ``{"skipped": [schema.SkipRecord, ...]}`` as they occur.
     ``shard=(i, n)``: only units i, i+n, i+2n, ... of the epoch's unit order (one DataLoader
     worker's share; each shard shuffles and plans its own stream, so batches differ from a
     single stream's). Unsharded, the order and batches equal the Ray path's (deterministic mode):
@@ -102,7 +101,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
         for i in range(len(plans[S.BATCH_ID])):
             one = {k: [v[i]] for k, v in plans.items()}
             row = {k: v[0] for k, v in materialize(one).items()}
-            skipped = json.loads(row[S.BATCH_SKIPPED])
+            skipped = S.decode_skips(row[S.BATCH_SKIPPED])
             if with_skips and skipped:
                 yield {"skipped": skipped}
             if int(row[S.BATCH_N_SAMPLES]) == 0:

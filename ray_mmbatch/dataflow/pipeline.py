@@ -76,7 +76,7 @@ def pools_for(cfg: Config, check: bool = False):
 
 
 def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done=None, payloads=None,
-                     listing: tuple | None = None, pools=None):
+                     reader: tuple | None = None, pools=None):
     """read -> measure (-> oversize policy). One MEASURED row per sample read (+ the end row if asked).
 
     Every epoch reads its units (row groups / shards / chunks) in the order ``data.shuffle`` draws
@@ -87,9 +87,9 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     from ray_mmbatch.dataflow.read import read_raw
     from ray_mmbatch.formats.units import read_units
 
-    listing = listing or read_units(cfg.data.path, cfg.data)
-    order = epoch_unit_order(len(listing[0]), cfg.data, cfg.train.seed, epoch)
-    ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, listing=listing)
+    reader = reader or read_units(cfg.data.path, cfg.data)
+    order = epoch_unit_order(len(reader[0]), cfg.data, cfg.train.seed, epoch)
+    ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, reader=reader)
     return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
         MeasureStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch),
@@ -116,15 +116,15 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
 
     done = DataPosition.from_state(position).epochs.get(epoch)
     stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
-    listing = read_units(cfg.data.path, cfg.data)
-    check_listing(position, listing_digest(listing[0]), cfg.data.path)  # the indices must mean the same units
+    reader = read_units(cfg.data.path, cfg.data)
+    check_listing(position, listing_digest(reader[0]), cfg.data.path)  # the indices must mean the same units
     # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
     pools = pools_for(cfg)
     payloads = RayPayloads(holders=max(1, pools.measure[1]), recent=max(1024, cfg.budget.window),
                            cap_bytes=cfg.data.payload_memory_mb * 2**20,
                            spill_dir=cfg.data.payload_spill_dir or None,
                            **stage_args(cfg))
-    measured = measured_dataset(cfg, epoch, end_marker=stateful, done=done, payloads=payloads, listing=listing,
+    measured = measured_dataset(cfg, epoch, end_marker=stateful, done=done, payloads=payloads, reader=reader,
                                 pools=pools)
     if stateful:  # one actor: one shuffle buffer and carry, fed the windows in stream order
         with warnings.catch_warnings():

@@ -29,17 +29,17 @@ def _units_dataset(units: list[dict], blocks: int | None, order: list[int] | Non
 
 def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
              order: list[int] | None = None, end_marker: bool = False, done=None,
-             listing: tuple | None = None) -> ray.data.Dataset:
+             reader: tuple | None = None) -> ray.data.Dataset:
     """A Dataset of RAW rows (schema.RAW_COLUMNS + READ_POSITION_COLUMNS) for a Parquet / WebDataset / LLaVA path.
 
     ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
     *.tar -> webdataset; a single file by its extension. ``order``: the units' read order
     (listing indices, batching/shuffle.unit_order; None = listing order); ``end_marker``
     appends the end-of-stream row (see the module docstring); ``done`` (resume) leaves out what
-    an epoch already trained (see read_with_position); ``listing``: what ``read_units`` returned,
+    an epoch already trained (see read_with_position); ``reader``: what ``read_units`` returned,
     when the caller listed already.
     """
-    units, read_fn, kwargs = listing or read_units(path, data_cfg)
+    units, read_fn, kwargs = reader or read_units(path, data_cfg)
     units = [dict(u, **{schema.UNIT: i}) for i, u in enumerate(units)]  # index in the sorted listing
     ds = _units_dataset(units, override_num_blocks, order, end_marker)
     ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done},

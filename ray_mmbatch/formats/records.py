@@ -69,7 +69,8 @@ def rows_to_table(rows: list[dict]) -> pa.Table:
 
 
 def error(reason: str, detail: str = "") -> str:
-    return f"{reason}: {detail}" if detail else reason
+    """A READ_ERROR value (schema.skip_text)."""
+    return schema.skip_text(reason, detail)
 
 
 def sample_id(where: str, user_id=None) -> str:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ray_mmbatch import schema as S
 
@@ -21,7 +22,6 @@ SKIP_CHECK_MIN_SAMPLES = 50
 """Samples seen before the skip fraction is judged (a smaller dataset is judged at its end)."""
 
 
-STOPPED_FILE = "stopped.json"
 """OUTPUT_DIR file rank 0 writes when the guard stops a run: {"seen", "skipped", "step"}."""
 
 
@@ -36,18 +36,12 @@ def skip_fraction_exceeded(seen: int, skipped: int, max_fraction: float, at_end:
     return skipped / seen > max_fraction
 
 
-def split_reason(text: str) -> tuple[str, str]:
-    reason, _, detail = str(text).partition(":")
-    return reason.strip(), detail.strip()
-
-
-def explain_skips(records: Iterable[tuple[str, str]], seen: int, max_fraction: float, data_cfg=None,
-                  where: str = "", listing: str = "skipped.csv lists every one") -> str:
-    """``records`` = (sample_id, "reason: detail"); the message naming the top reasons and fixes."""
+def explain_skips(records: Iterable[S.SkipRecord], seen: int, max_fraction: float, data_cfg=None,
+                  where: str = "", see_also: str = "skipped.csv lists every one") -> str:
+    """The message naming the top reasons of these skip records and their fixes."""
     by_reason: dict[str, list[tuple[str, str]]] = {}
-    for sid, text in records:
-        reason, detail = split_reason(text)
-        by_reason.setdefault(reason, []).append((str(sid), detail))
+    for rec in records:
+        by_reason.setdefault(rec.reason, []).append((rec.sample_id, rec.detail))
     counts = Counter({r: len(v) for r, v in by_reason.items()})
     total = sum(counts.values())
     lines = [f"{total} of {seen} samples ({100 * total / max(seen, 1):.0f}%){where} were skipped, more than "
@@ -57,42 +51,47 @@ def explain_skips(records: Iterable[tuple[str, str]], seen: int, max_fraction: f
         lines.append(f"  {reason}: {n}  e.g. {ex}")
     hints = [h for reason, _ in counts.most_common(3) for h in [hint_for(reason, by_reason[reason], data_cfg)] if h]
     lines += [f"  fix: {h}" for h in hints]
-    lines.append(f"  ({listing}; --max-skip-fraction 1 trains anyway)")
+    lines.append(f"  ({see_also}; --max-skip-fraction 1 trains anyway)")
     return "\n".join(lines)
 
 
+def _missing_file_hint(examples: list[tuple[str, str]], data_cfg) -> str:
+    refs = [d for _, d in examples if d and " is not a regular file" not in d and ": " not in d][:20]
+    root = _image_root(data_cfg)
+    found = find_image_folder(refs, root) if refs and root else None
+    if found:
+        return f"those images are in {found}: pass --image-root {found}"
+    if root:
+        return (f"image paths are looked up under {root} (--image-root); none of the missing ones was "
+                "found in the folders around it")
+    return "the image files the records name do not exist"
+
+
+# reason -> the likely fix: a fixed sentence, or a function of (examples, data_cfg) -> sentence ("" = none)
+HINTS: dict[str, str | Callable[[list[tuple[str, str]], Any], str]] = {
+    S.SKIP_MISSING_FILE: _missing_file_hint,
+    S.SKIP_PATH_OUTSIDE_ROOT: "image paths must be relative and inside --image-root (absolute paths and '..' are "
+                              "refused)",
+    S.SKIP_OVERSIZE: "samples fit no batch alone: raise --max-tokens / --max-patches, or --oversize truncate",
+    S.SKIP_TOO_MANY_IMAGES: "samples hold more images than --max-images allows: raise it",
+    S.SKIP_PLACEHOLDER_MISMATCH: "the records' <image> placeholders do not match their images (check the text "
+                                 "column and the image token)",
+    S.SKIP_EMPTY_TEXT: "no assistant text to train on: check --text-column (and --set text.train_on_prompt=true "
+                       "for text without roles)",
+    S.SKIP_FILE_TOO_LARGE: "image files / tar members over data.max_file_bytes: raise it (--set "
+                           "data.max_file_bytes=N) if they are real",
+    S.SKIP_UNREADABLE_FILE: lambda _, d: (f"files that do not read as {d.format} (--format): check the path and that "
+                                          "the files are whole") if d is not None else "",
+    S.SKIP_MALFORMED_RECORD: lambda _, d: (f"records do not have the expected shape: check --text-column "
+                                           f"({d.text_column}), --image-column ({d.image_column}) and --format "
+                                           f"({d.format})") if d is not None else "",
+}
+
+
 def hint_for(reason: str, examples: list[tuple[str, str]], data_cfg=None) -> str:
-    """The likely fix for one skip reason, from its details and the data settings."""
-    if reason == S.SKIP_MISSING_FILE:
-        refs = [d for _, d in examples if d and " is not a regular file" not in d and ": " not in d][:20]
-        root = _image_root(data_cfg)
-        found = find_image_folder(refs, root) if refs and root else None
-        if found:
-            return f"those images are in {found}: pass --image-root {found}"
-        if root:
-            return (f"image paths are looked up under {root} (--image-root); none of the missing ones was "
-                    "found in the folders around it")
-        return "the image files the records name do not exist"
-    if reason == S.SKIP_PATH_OUTSIDE_ROOT:
-        return "image paths must be relative and inside --image-root (absolute paths and '..' are refused)"
-    if reason == S.SKIP_OVERSIZE:
-        return "samples fit no batch alone: raise --max-tokens / --max-patches, or --oversize truncate"
-    if reason == S.SKIP_TOO_MANY_IMAGES:
-        return "samples hold more images than --max-images allows: raise it"
-    if reason == S.SKIP_PLACEHOLDER_MISMATCH:
-        return "the records' <image> placeholders do not match their images (check the text column and the image token)"
-    if reason == S.SKIP_EMPTY_TEXT:
-        return ("no assistant text to train on: check --text-column (and --set text.train_on_prompt=true "
-                "for text without roles)")
-    if reason == S.SKIP_FILE_TOO_LARGE:
-        return ("image files / tar members over data.max_file_bytes: raise it (--set data.max_file_bytes=N) "
-                "if they are real")
-    if reason == "unreadable_file" and data_cfg is not None:
-        return f"files that do not read as {data_cfg.format} (--format): check the path and that the files are whole"
-    if reason == S.SKIP_MALFORMED_RECORD and data_cfg is not None:
-        return (f"records do not have the expected shape: check --text-column ({data_cfg.text_column}), "
-                f"--image-column ({data_cfg.image_column}) and --format ({data_cfg.format})")
-    return ""
+    """The likely fix for one skip reason (HINTS), from its details and the data settings."""
+    hint = HINTS.get(reason, "")
+    return hint(examples, data_cfg) if callable(hint) else hint
 
 
 def _image_root(data_cfg) -> str:

@@ -63,13 +63,13 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         raise PreflightError(f"model: {what} does not load: {_one_line(e)}") from None
 
     rows = _first_rows(cfg, samples, fmt)
-    reasons = [(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows if r[S.SKIP_REASON]]
+    reasons = [S.SkipRecord.of(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows if r[S.SKIP_REASON]]
     seen = len(rows)
     at_end = seen < samples  # the whole (small) dataset was read
     if skip_fraction_exceeded(seen, len(reasons), d.max_skip_fraction, at_end=at_end):
         raise TooManySkippedAtStart(explain_skips(
             reasons, seen, d.max_skip_fraction, d, where=" checked before the run",
-            listing="ray-mmbatch inspect reads and counts them all"))
+            see_also="ray-mmbatch inspect reads and counts them all"))
     return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons)}
 
 

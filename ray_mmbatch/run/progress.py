@@ -6,12 +6,13 @@ stdout is a terminal; ``format_summary`` is the end-of-run table. Pure (no Ray).
 """
 from __future__ import annotations
 
-import json
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from ray_mmbatch.run.rundir import RunDir, read_jsonl_from
 
 
 def _fmt_time(s: float | None) -> str:
@@ -99,23 +100,10 @@ class ProgressPrinter:
     def poll(self) -> None:
         if not self.path.exists():
             return
-        size = self.path.stat().st_size
-        if size < self._offset:  # trimmed back on a restore
+        if self.path.stat().st_size < self._offset:  # trimmed back on a restore
             self._offset = 0
-        if size == self._offset:
-            return
-        with open(self.path) as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        complete, _, _ = chunk.rpartition("\n")
-        if not complete:
-            return
-        self._offset += len(complete.encode()) + 1
-        for raw in complete.splitlines():
-            try:
-                m = json.loads(raw)
-            except ValueError:
-                continue
+        records, self._offset = read_jsonl_from(self.path, self._offset)
+        for m in records:
             now, done = time.time(), done_share(m, self.max_steps)
             eta = None
             if done is not None:
@@ -149,9 +137,9 @@ def format_summary(summary: dict[str, Any], out_dir: str | Path) -> str:
         ("tokens", f"{summary.get('real_tokens', 0):,} real, fill {100 * float(summary.get('fill') or 0):.1f}%"),
         ("speed", f"{float(summary.get('tokens_per_s') or 0):,.0f} real tokens/s"),
         ("wall", _fmt_time(summary.get("wall_s"))),
-        ("summary", str(out / "summary.json")),
-        ("skip report", str(out / "skipped.csv")),
-        ("metrics", str(out / "metrics.jsonl")),
+        ("summary", str(out / RunDir.SUMMARY)),
+        ("skip report", str(out / RunDir.SKIPPED)),
+        ("metrics", str(out / RunDir.METRICS)),
     ]
     if summary.get("checkpoint"):
         rows.append(("checkpoint", str(summary["checkpoint"])))

@@ -210,10 +210,3 @@ def after_connect() -> None:
 def _mark(fn):
     fn._rmb_filtered = True
     return fn
-
-
-def is_verbose() -> bool:
-    return bool(_state["verbose"])
-
-
-# -- progress -------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Run report: read a training run directory, derive its figures, write HTML + JSON.
 
-Inputs (names from schema.RUN_*), all written by the training loop::
+Inputs (names from run/rundir.RunDir), all written by the driver of the training run::
 
     summary.json    final totals (steps, samples, tokens, fill, loss, skipped counts, budget)
     metrics.jsonl   one object per report step (loss, lr, throughput, data wait, memory)
@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ray_mmbatch import schema
+from ray_mmbatch.run.rundir import RunDir, read_jsonl
 
 _BATCH_REQUIRED = ("step", schema.BATCH_REAL_TOKENS, schema.BATCH_PADDED_TOKENS)
-REPORT_HTML = "report.html"
-REPORT_JSON = "report.json"
 KNOWN_SKIP_REASONS = frozenset(v for k, v in vars(schema).items() if k.startswith("SKIP_"))
 # (div id, title) in page order; the HTML div ids and the report.json "figures" keys.
 FIGURES = (
@@ -46,32 +45,6 @@ FIGURES = (
     ("fig-data-wait", "Share of step time waiting for data"),
     ("fig-skips", "Skipped samples by reason"),
 )
-
-
-def _read_jsonl(path: Path, warnings: list[str], required: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    if not path.exists():
-        warnings.append(f"{path.name} missing")
-        return []
-    text = path.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines) and not text.endswith("\n"):
-                warnings.append(f"{path.name}:{i} ignored (truncated last line)")
-                continue
-            raise ValueError(f"{path}:{i}: not a JSON object ({e.msg})") from None
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
-        missing = [k for k in required if not isinstance(row.get(k), (int, float))]
-        if missing:
-            raise ValueError(f"{path}:{i}: missing or non-numeric {missing}")
-        rows.append(row)
-    return rows
 
 
 def _read_skipped(path: Path, warnings: list[str]) -> list[dict[str, str]]:
@@ -90,7 +63,7 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run dir {run_dir} does not exist")
-    summary_path = run_dir / schema.RUN_SUMMARY
+    summary_path = run_dir / RunDir.SUMMARY
     if not summary_path.exists():
         raise FileNotFoundError(f"{summary_path} missing: is {run_dir} a training run's output dir?")
     try:
@@ -101,16 +74,16 @@ def load_run(run_dir: str | Path) -> dict[str, Any]:
     return {
         "run_dir": str(run_dir),
         "summary": summary,
-        "metrics": _read_jsonl(run_dir / schema.RUN_METRICS, warnings, ("step",)),
-        "batches": _read_jsonl(run_dir / schema.RUN_BATCHES, warnings, _BATCH_REQUIRED),
-        "skipped": _read_skipped(run_dir / schema.RUN_SKIPPED, warnings),
+        "metrics": read_jsonl(run_dir / RunDir.METRICS, ("step",), warnings),
+        "batches": read_jsonl(run_dir / RunDir.BATCHES, _BATCH_REQUIRED, warnings),
+        "skipped": _read_skipped(run_dir / RunDir.SKIPPED, warnings),
         "warnings": warnings,
     }
 
 
 def _reason(raw: str) -> str:
     # Reasons may carry a detail ("corrupt_image: truncated"); count by the reason alone.
-    return raw.partition(":")[0].strip()
+    return schema.parse_skip(raw)[0]
 
 
 def _col(rows: list[dict[str, Any]], key: str) -> list[Any]:
@@ -163,7 +136,7 @@ def _checks(summary: dict[str, Any], stats: dict[str, Any], skips: dict[str, Any
             warnings.append(f"summary.json {key}={summary[key]} but batches.jsonl sums to {stats[key]}")
 
 
-def summary_table(summary: dict[str, Any], stats: dict[str, Any], skips: dict[str, Any],
+def summary_figures(summary: dict[str, Any], stats: dict[str, Any], skips: dict[str, Any],
                   metrics: list[dict[str, Any]]) -> dict[str, Any]:
     """The small table at the top of the page, label -> value, in display order."""
     budget = summary.get("budget") or {}
@@ -288,7 +261,7 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[
     figs = build_figures(run)
     report = {
         "run_dir": run["run_dir"],
-        "table": summary_table(run["summary"], stats, run["skip_counts"], run["metrics"]),
+        "table": summary_figures(run["summary"], stats, run["skip_counts"], run["metrics"]),
         "batch_stats": stats,
         "skipped": run["skip_counts"],
         "n_metrics": len(run["metrics"]),
@@ -297,6 +270,6 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[
     }
     out = Path(out_dir or run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / REPORT_JSON).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
-    (out / REPORT_HTML).write_text(render_html(report, figs), encoding="utf-8")
+    (out / RunDir.REPORT_JSON).write_text(json.dumps(report, indent=1, default=str), encoding="utf-8")
+    (out / RunDir.REPORT_HTML).write_text(render_html(report, figs), encoding="utf-8")
     return report

@@ -22,7 +22,7 @@ from typing import Any
 from ray import tune
 
 from ray_mmbatch.config import Config, apply_overrides, save_config
-from ray_mmbatch.run.rundir import read_jsonl
+from ray_mmbatch.run.rundir import RunDir, read_jsonl
 
 
 def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
@@ -35,7 +35,7 @@ def grid(space: dict[str, list[Any]]) -> list[dict[str, Any]]:
 
 def _trial_metrics(out_dir: Path, warmup_steps: int) -> dict[str, float]:
     """Throughput over the steps after warm-up, from the cumulative totals in metrics.jsonl."""
-    rows = read_jsonl(out_dir / "metrics.jsonl")
+    rows = read_jsonl(out_dir / RunDir.METRICS)
     if not rows:
         return {}
     start = max((r for r in rows if r["step"] <= warmup_steps), key=lambda r: r["step"], default=None)
@@ -76,7 +76,7 @@ def run_trial(params: dict[str, Any]) -> None:
     except Exception as e:  # an OOM or crash makes this setting infeasible, not the sweep
         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
         result.update(status="oom" if "memory" in msg.lower() else "failed", error=msg[-500:])
-    figures = _trial_metrics(out, params["warmup_steps"]) if (out / "metrics.jsonl").exists() else {}
+    figures = _trial_metrics(out, params["warmup_steps"]) if (out / RunDir.METRICS).exists() else {}
     result.update({"tokens_per_s": 0.0, "fill": 0.0, "peak_mem_mb": 0.0, "final_loss": float("nan"), **figures})
     if result["status"] == "ok" and result["peak_mem_mb"] > params["memory_limit_mb"]:
         result["status"] = "over_memory"

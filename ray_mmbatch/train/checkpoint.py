@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from ray_mmbatch.run.rundir import RunDir
+
 STATE = "state.json"
 SHARDED_INDEX = ".metadata"   # torch.distributed.checkpoint's index, written by rank 0 after every shard
 SCHEDULER = "scheduler.pt"    # sharded layout: the scheduler state (rank 0)
-LATEST = "latest_checkpoint.json"  # in the output dir: where the newest complete checkpoint lives
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -114,7 +115,7 @@ def load_checkpoint(directory: str | Path, model: torch.nn.Module, optimizer=Non
 def write_latest(output_dir: str | Path, checkpoint_path: str, state: dict[str, Any]) -> None:
     """Point at the newest complete checkpoint, with its data position (read by the dataset builder)."""
     rec = {"path": checkpoint_path, "step": state.get("step", 0), "position": state.get("position")}
-    _atomic_write_bytes(Path(output_dir) / LATEST, json.dumps(rec).encode())
+    _atomic_write_bytes(Path(output_dir) / RunDir.LATEST, json.dumps(rec).encode())
 
 
 def read_latest_position(output_dir: str | Path, run_storage: str | Path | None = None,
@@ -143,6 +144,6 @@ def read_latest_position(output_dir: str | Path, run_storage: str | Path | None 
     if not fallback:
         return None
     try:
-        return json.loads((Path(output_dir) / LATEST).read_text()).get("position")
+        return json.loads((Path(output_dir) / RunDir.LATEST).read_text()).get("position")
     except (OSError, ValueError):
         return None

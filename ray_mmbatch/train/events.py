@@ -80,13 +80,13 @@ class RankEvents:
 class follow:
     """Driver side, as a context manager: a channel on the head node, drained into the run dir.
 
-    ``with follow(out, stopped_file) as channel:`` hands the actor to the Train workers;
+    ``with follow(out) as channel:`` hands the actor to the Train workers;
     on exit the last events are written and the actor is let go.
     """
 
-    def __init__(self, out, stopped_file: str, interval: float = 0.5,
+    def __init__(self, out, interval: float = 0.5,
                  on_error: Callable[[BaseException], None] | None = None):
-        self.writer = RunWriter(out, stopped_file)
+        self.writer = RunWriter(out)
         self.interval, self.on_error = interval, on_error
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ray_mmbatch_events", daemon=True)

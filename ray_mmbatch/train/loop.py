@@ -19,13 +19,13 @@ no sample is trained twice or missed, whatever batches Ray Data forms this time.
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,10 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.batching.layout import filler_batch, mask_samples, zero_target
 from ray_mmbatch.config import Config, apply_overrides, flatten
 from ray_mmbatch.data.position import DataPosition
+from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.train import checkpoint as ckpt
 from ray_mmbatch.train.events import RankEvents
 from ray_mmbatch.train.step import all_reduce
-
-EXPORT_DIR = "model"  # OUTPUT_DIR/model: the trained model in its family's format (HF: from_pretrained-able)
 
 
 def _peak_mem_mb(device: torch.device) -> float:
@@ -58,8 +57,19 @@ def all_gather_lists(items: list) -> list:
     return [x for part in out for x in part]
 
 
-def _positions(row: dict[str, Any], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Read positions and unit row counts of a BATCH row: [:n] its samples, [n:] its skip records."""
+@dataclass(frozen=True)
+class BatchMeta:
+    """The loop's bookkeeping of one micro-batch, beside it (the batch dict holds only data)."""
+
+    batch_id: str
+    epoch: int
+    padded_tokens: int      # compute the batch occupies (the budget in pack mode)
+    positions: np.ndarray   # read position of each sample (data/position.py)
+    unit_rows: np.ndarray   # row count of each position's read unit
+
+
+def _positions(row: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    """Read positions and unit row counts of a BATCH row's samples."""
     pos = np.asarray(row.get(S.BATCH_POSITIONS, []), dtype=np.int64)
     return pos, np.asarray(row.get(S.BATCH_POSITION_UNIT_ROWS, np.zeros(len(pos))), dtype=np.int64)
 
@@ -102,35 +112,33 @@ class Runner:
         for row in guarded(rows, self.cfg.data.stall_timeout_s):  # DataStalled, never a silent wait
             yield {k: v[0] for k, v in row.items()}
 
-    def _take(self, rows: Iterator[dict[str, Any]], epoch: int) -> tuple[list[dict[str, Any]], int]:
-        """Up to grad_accum micro-batches of this rank, and how many skip records came with them."""
+    def _take(self, rows: Iterator[dict[str, Any]], epoch: int) -> tuple[list[tuple[dict, BatchMeta]], int]:
+        """Up to grad_accum (micro-batch, meta) pairs of this rank, and how many skip records came with them."""
         from ray_mmbatch.batching.collate import decode_batch
 
-        micro: list[dict[str, Any]] = []
+        micro: list[tuple[dict, BatchMeta]] = []
         skipped = 0
         while len(micro) < self.cfg.train.grad_accum:
             row = next(rows, None)
             if row is None:
                 break
-            for sid, reason in json.loads(str(row[S.BATCH_SKIPPED])):
-                self.files.append("skipped", {"sample_id": sid, "reason": reason})
-                skipped += 1
-            n = int(row[S.BATCH_N_SAMPLES])
-            pos, unit_rows = _positions(row, n)
-            self._done(epoch, pos[n:], unit_rows[n:])  # reported skips are done too
-            if n == 0:
+            records = S.decode_skips(row[S.BATCH_SKIPPED])
+            for rec in records:
+                self.files.append("skipped", {"step": self.step, **rec.to_dict()})
+            skipped += len(records)
+            self._done(epoch, np.array([r.position for r in records], np.int64),  # reported skips are done too
+                       np.array([r.unit_rows for r in records], np.int64))
+            if int(row[S.BATCH_N_SAMPLES]) == 0:
                 continue  # only carried skip records
             batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
-            keep = ~self.position.contains(epoch, pos[:n])
+            pos, unit_rows = _positions(row)
+            keep = ~self.position.contains(epoch, pos)
             if not any(keep):
                 continue  # trained before the restore
             if not all(keep):
                 batch = mask_samples(batch, np.array(keep))
-            batch["_batch_id"] = str(row[S.BATCH_ID])
-            batch["_epoch"] = epoch
-            batch["_padded_tokens"] = int(row[S.BATCH_PADDED_TOKENS])
-            batch["_positions"] = (pos[:n], unit_rows[:n])
-            micro.append(batch)
+            micro.append((batch, BatchMeta(str(row[S.BATCH_ID]), epoch, int(row[S.BATCH_PADDED_TOKENS]),
+                                           pos, unit_rows)))
         return micro, skipped
 
     # -- loop ----------------------------------------------------------------
@@ -146,7 +154,7 @@ class Runner:
                 t0 = time.perf_counter()
                 micro, skipped = self._take(rows, epoch)
                 t_data = time.perf_counter() - t0
-                trained = sum(len(b["sample_ids"]) for b in micro)
+                trained = sum(len(b["sample_ids"]) for b, _ in micro)
                 any_data, seen, skips = all_reduce([float(bool(micro)), float(trained + skipped), float(skipped)],
                                                    self.device)
                 self.samples_seen += int(seen)
@@ -155,10 +163,11 @@ class Runner:
                 if not any_data or self._guard(guard, at_end=False):
                     break
                 if micro:
-                    self.last_batch = micro[-1]
-                else:
-                    micro = [zero_target(self.last_batch or filler_batch(3 * self.cfg.image.patch_size ** 2))]
-                out = self._optimizer_step(self.model, micro, self.opt, self.sched, tcfg, self.device)
+                    self.last_batch = micro[-1][0]
+                    batches = [b for b, _ in micro]
+                else:  # ran dry: a step with no targets joins the others' gradient all-reduce
+                    batches = [zero_target(self.last_batch or filler_batch(3 * self.cfg.image.patch_size ** 2))]
+                out = self._optimizer_step(self.model, batches, self.opt, self.sched, tcfg, self.device)
                 self.step += 1
                 self._account(micro, out, t_data, time.perf_counter() - t0)
                 self._fault_drill()
@@ -189,21 +198,22 @@ class Runner:
     def _at_max_steps(self) -> bool:
         return bool(self.cfg.train.max_steps) and self.step >= self.cfg.train.max_steps
 
-    def _account(self, micro, out: dict[str, float], t_data: float, t_step: float) -> None:
-        dummy = any(b.get("_dummy") for b in micro)
-        real = 0 if dummy else sum(int(b["real_tokens"]) for b in micro)
-        padded = 0 if dummy else sum(int(b["_padded_tokens"]) for b in micro)
-        n = 0 if dummy else sum(len(b["sample_ids"]) for b in micro)
-        target = 0 if dummy else sum(int(b["target_tokens"]) for b in micro)
-        for b in [] if dummy else micro:
-            self._done(b["_epoch"], *b["_positions"])
+    def _account(self, micro: list[tuple[dict, BatchMeta]], out: dict[str, float], t_data: float,
+                 t_step: float) -> None:
+        """``micro``: the (batch, meta) pairs trained this step ([] for a rank that ran dry)."""
+        real = sum(int(b["real_tokens"]) for b, _ in micro)
+        padded = sum(m.padded_tokens for _, m in micro)
+        n = sum(len(b["sample_ids"]) for b, _ in micro)
+        target = sum(int(b["target_tokens"]) for b, _ in micro)
+        for b, m in micro:
+            self._done(m.epoch, m.positions, m.unit_rows)
             self.files.append("batches", {
-                "step": self.step, "rank": self.rank, "batch_id": b["_batch_id"],
-                "real_tokens": int(b["real_tokens"]), "padded_tokens": int(b["_padded_tokens"]),
+                "step": self.step, "rank": self.rank, "batch_id": m.batch_id,
+                "real_tokens": int(b["real_tokens"]), "padded_tokens": m.padded_tokens,
                 "target_tokens": int(b["target_tokens"]), "n_samples": len(b["sample_ids"]),
                 "n_images": int(len(b["image_grid_thw"])), "patches": int(len(b["patches"])),
                 "budget_tokens": int(self.cfg.budget.max_tokens)})
-            self.files.append("ledger", {"step": self.step, "epoch": b["_epoch"], "batch_id": b["_batch_id"],
+            self.files.append("ledger", {"step": self.step, "epoch": m.epoch, "batch_id": m.batch_id,
                                          "sample_ids": [str(s) for s in b["sample_ids"]]})
         w = self.window
         for k, v in (("real", real), ("padded", padded), ("target", target), ("samples", n), ("data_s", t_data),
@@ -219,7 +229,7 @@ class Runner:
 
     def _fault_drill(self) -> None:
         """Die like an OOM-killed worker (SIGKILL, no cleanup) at the configured step, once."""
-        marker = Path(self.cfg.train.output_dir) / "fault_drill_done"
+        marker = Path(self.cfg.train.output_dir) / RunDir.FAULT_DRILL
         if self.rank == 0 and self.step == self.cfg.train.fault_at_step and not marker.exists():
             marker.write_text(str(self.step))
             os.kill(os.getpid(), signal.SIGKILL)
@@ -299,7 +309,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     backend = get_backend(cfg)
     model = backend.create_model(cfg, config)
     if cfg.train.fsdp:  # shard before the optimizer is built: sharding replaces the parameters
-        model = fsdp.shard_model(model, device, mixed_precision=autocast_dtype(cfg.train.precision, device))
+        model = fsdp.shard_model(model, device, mixed_precision=autocast_dtype(cfg.train.precision, device),
+                                 backend=backend)
     # max_steps: cosine over those steps; by epochs: cosine over the share of the planned
     # samples done (the step count is only known once the batches are planned)
     planned = 0 if cfg.train.max_steps else int(config.get("planned_samples", 0))
@@ -319,6 +330,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     if cfg.train.export_hf:
         bare = getattr(model, "module", model)
         # under FSDP the parameters are shards: every rank takes part in gathering the full weights
-        full = fsdp.full_state_dict(bare, "hf_model." if hasattr(bare, "hf_model") else "") if cfg.train.fsdp else None
+        full = fsdp.full_state_dict(bare, backend.state_prefix(bare)) if cfg.train.fsdp else None
         if rank == 0:
-            backend.export(bare, cfg, Path(cfg.train.output_dir) / EXPORT_DIR, full)
+            backend.export(bare, cfg, RunDir(cfg.train.output_dir) / RunDir.EXPORT, full)

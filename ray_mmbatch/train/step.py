@@ -124,19 +124,10 @@ def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: to
                 ce_sum, _ = token_loss_sum(model, tb)
             (ce_sum * scale).backward()
         local_ce += float(ce_sum.detach())
-        real_tokens += _real_tokens(tb)
+        real_tokens += int(batch["real_tokens"])  # collate's count (mask_samples keeps it right)
     (global_ce,) = all_reduce([local_ce], device)
     return {"loss": global_ce / max(global_targets, 1.0), "n_target": int(global_targets),
             "local_n_target": local_targets, "real_tokens": real_tokens, "world_size": world}
-
-
-def _real_tokens(batch: dict) -> int:
-    if "real_tokens" in batch and batch["real_tokens"] is not None:
-        value = batch["real_tokens"]
-        return int(value.sum()) if hasattr(value, "sum") else int(value)
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["cu_seqlens"][-1])
 
 
 def optimizer_step(model: nn.Module, micro_batches: list[dict], optimizer: torch.optim.Optimizer, scheduler,

@@ -20,7 +20,7 @@ from ray.train import DataConfig
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
 from ray_mmbatch.formats import fs
-from ray_mmbatch.run.rundir import read_jsonl, write_jsonl
+from ray_mmbatch.run.rundir import RunDir, read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 
 
@@ -96,18 +96,18 @@ def tokenizer_ids(cfg: Config) -> dict[str, int]:
 
 def _finish_logs(out: Path) -> dict[str, int]:
     """batches.jsonl in (step, rank) order; skipped.jsonl -> skipped.csv (deduplicated by id)."""
-    lines = read_jsonl(out / S.RUN_BATCHES)
+    lines = read_jsonl(out / RunDir.BATCHES)
     lines.sort(key=lambda r: (r["step"], r["rank"]))
-    write_jsonl(out / S.RUN_BATCHES, lines)
-    skipped = {r["sample_id"]: r["reason"] for r in read_jsonl(out / S.RUN_SKIP_LOG)}
+    write_jsonl(out / RunDir.BATCHES, lines)
+    skipped = {r["sample_id"]: (r["reason"], r["detail"]) for r in read_jsonl(out / RunDir.SKIP_LOG)}
     counts: dict[str, int] = {}
-    with open(out / S.RUN_SKIPPED, "w", newline="") as f:
+    with open(out / RunDir.SKIPPED, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["sample_id", "reason", "detail"])
         for sid in sorted(skipped):
-            reason, _, detail = skipped[sid].partition(":")
-            w.writerow([sid, reason.strip(), detail.strip()])
-            counts[reason.strip()] = counts.get(reason.strip(), 0) + 1
+            reason, detail = skipped[sid]
+            w.writerow([sid, reason, detail])
+            counts[reason] = counts.get(reason, 0) + 1
     return counts
 
 
@@ -133,11 +133,10 @@ def _worker_resources(cfg: Config) -> dict[str, float]:
 def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
     """``build_trainer(...).fit()``, the ranks' records written under OUTPUT_DIR by this process
     (train/events.py: through Ray, so no shared disk is needed for progress and summary)."""
-    from ray_mmbatch.run.guards import STOPPED_FILE
     from ray_mmbatch.train.events import follow
 
     check_output_locations(cfg)
-    with follow(Path(cfg.train.output_dir).resolve(), STOPPED_FILE) as channel:
+    with follow(Path(cfg.train.output_dir).resolve()) as channel:
         return build_trainer(cfg, run_name, callbacks, channel=channel).fit()
 
 
@@ -212,7 +211,7 @@ def check_output_locations(cfg: Config) -> None:
     if fs.is_uri(cfg.train.output_dir):
         raise ValueError(f"--output-dir {cfg.train.output_dir}: the output dir is a folder (per-rank logs are "
                          "appended to); put checkpoints in a bucket with --storage "
-                         f"{cfg.train.output_dir.rstrip('/')}/ray_storage and give --output-dir a local or "
+                         f"{cfg.train.output_dir.rstrip('/')}/{RunDir.RAY_STORAGE} and give --output-dir a local or "
                          "shared folder")
     if fs.is_uri(cfg.train.storage):
         filesystem, path = fs.split(cfg.train.storage)
@@ -230,7 +229,7 @@ def storage_location(cfg: Config) -> str:
     if cfg.train.storage:
         return cfg.train.storage if fs.is_uri(cfg.train.storage) else str(Path(fs.local_path(cfg.train.storage))
                                                                           .resolve())
-    return str(Path(cfg.train.output_dir).resolve() / "ray_storage")
+    return str(Path(cfg.train.output_dir).resolve() / RunDir.RAY_STORAGE)
 
 
 def run_training(cfg: Config) -> dict[str, Any]:
@@ -238,9 +237,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
     t0 = time.time()
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
     from ray_mmbatch.dataflow.pipeline import pools_for
-    from ray_mmbatch.run.guards import STOPPED_FILE, TooManySkipped
+    from ray_mmbatch.run.guards import TooManySkipped
 
-    stopped = Path(cfg.train.output_dir) / STOPPED_FILE
+    stopped = Path(cfg.train.output_dir) / RunDir.STOPPED
     stopped.unlink(missing_ok=True)  # from an earlier run in this dir
     sizes = pools_for(cfg, check=True)  # ResourceError now, not a stream waiting forever for slots
     print(f"[ray_mmbatch] preprocessing: measure {sizes.measure[0]}-{sizes.measure[1]}, materialize "
@@ -269,7 +268,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
     }
     if stopped.exists():  # the skip guard stopped the run (train/loop.py)
         summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))
-    (out / S.RUN_SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+    (out / RunDir.SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
     if stopped.exists():
         raise TooManySkipped(summary["stopped"])
     return summary
@@ -279,11 +278,11 @@ def _explain_stop(cfg: Config, out: Path, stop: dict[str, int]) -> str:
     """Why the skip guard stopped the run: its reasons and fixes, from the merged skipped.csv."""
     from ray_mmbatch.run.guards import explain_skips
 
-    with open(out / S.RUN_SKIPPED, newline="") as f:
-        records = [(r["sample_id"], f"{r['reason']}: {r['detail']}") for r in csv.DictReader(f)]
+    with open(out / RunDir.SKIPPED, newline="") as f:
+        records = [S.SkipRecord(r["sample_id"], r["reason"], r["detail"]) for r in csv.DictReader(f)]
     return explain_skips(records, max(int(stop["seen"]), len(records)), cfg.data.max_skip_fraction, cfg.data)
 
 
 def _final_loss(out: Path) -> float | None:
-    rows = read_jsonl(out / S.RUN_METRICS)
+    rows = read_jsonl(out / RunDir.METRICS)
     return rows[-1]["loss"] if rows else None

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from ray_mmbatch.run.rundir import RunDir
+
 NODES = {"data": {"num_cpus": 4, "resources": {"preprocess": 4}}, "train": {"num_cpus": 2, "resources": {"train": 1}}}
 
 
@@ -32,7 +34,6 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
     import ray
     from ray.cluster_utils import Cluster
 
-    from ray_mmbatch import schema as S
     from ray_mmbatch.config import Config
     from ray_mmbatch.run.progress import ProgressPrinter
     from ray_mmbatch.train.trainer import run_training
@@ -56,7 +57,7 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
 
     def train() -> None:
         try:
-            with ProgressPrinter(out / S.RUN_METRICS, max_steps=0, stream=console, interval=0.2):
+            with ProgressPrinter(out / RunDir.METRICS, max_steps=0, stream=console, interval=0.2):
                 result["summary"] = run_training(cfg)
         except BaseException as e:  # reported by the main thread
             result["error"] = e
@@ -66,7 +67,7 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
     try:
         deadline = time.time() + 600
         while t.is_alive() and time.time() < deadline and events["removed_at_step"] is None:
-            ledger = out / S.RUN_LEDGER
+            ledger = out / RunDir.LEDGER
             steps = sum(len(p.read_text().splitlines()) for p in ledger.glob("rank*.jsonl")) if ledger.exists() else 0
             if steps >= 4:
                 events["removed_at_step"] = steps
@@ -81,11 +82,11 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
     if "error" in result:
         raise result["error"]
     summary = result["summary"]
-    trained = [sid for p in sorted((out / S.RUN_LEDGER).glob("rank*.jsonl"))
+    trained = [sid for p in sorted((out / RunDir.LEDGER).glob("rank*.jsonl"))
                for ln in p.read_text().splitlines() for sid in json.loads(ln)["sample_ids"]]
-    with open(out / S.RUN_SKIPPED) as f:
+    with open(out / RunDir.SKIPPED) as f:
         skipped = [r["sample_id"] for r in csv.DictReader(f)]
-    rank_files = sorted(p.name for p in out.rglob("*rank*") if p.parent != out / S.RUN_LEDGER)
+    rank_files = sorted(p.name for p in out.rglob("*rank*") if p.parent != out / RunDir.LEDGER)
     print("RESULT " + json.dumps({"trained": trained, "skipped": skipped, "steps": summary["steps"], **events,
                                   "summary_samples": summary["samples"], "rank_files": rank_files,
                                   "progress_lines": console.getvalue().splitlines()}), flush=True)
