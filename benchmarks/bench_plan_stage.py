@@ -35,6 +35,7 @@ from common import read_measured  # noqa: E402
 
 from ray_mmbatch import schema as S  # noqa: E402
 from ray_mmbatch.config import Config  # noqa: E402
+from ray_mmbatch.data.errors import decode_skips
 
 
 def _ray_pass(cfg: Config, pad_id: int) -> dict:
@@ -49,7 +50,7 @@ def _ray_pass(cfg: Config, pad_id: int) -> dict:
     real = sum(int(r[S.BATCH_REAL_TOKENS]) for r in rows)
     padded = sum(int(r[S.BATCH_PADDED_TOKENS]) for r in rows)
     ids = [s for r in rows for s in r[S.BATCH_SAMPLE_IDS]]
-    skipped = [s.sample_id for r in rows for s in S.decode_skips(r[S.BATCH_SKIPPED])]
+    skipped = [s.sample_id for r in rows for s in decode_skips(r[S.BATCH_SKIPPED])]
     assert len(ids) == len(set(ids)), "a sample arrived twice"
     return {"batches": sum(1 for r in rows if int(r[S.BATCH_N_SAMPLES])), "fill": real / padded,
             "real_tokens": real, "samples": len(ids), "skipped": len(skipped), "wall_s": wall,

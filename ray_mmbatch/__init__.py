@@ -1,7 +1,9 @@
 """ray_mmbatch: token-budget batching of image-text data for multimodal training on Ray.
 
 ``local_batches(cfg, limit)`` yields the training batches in-process (no Ray);
-``ray_mmbatch.hf`` loads Hugging Face checkpoints behind the project's model contract.
+``batch_by_token_budget(ds, max_tokens=...)`` plans any ``ray.data.Dataset`` into token-budget
+batches (dataflow/operator.py); ``ray_mmbatch.hf`` loads Hugging Face checkpoints behind the
+project's model contract. Both functions import their modules lazily: the package import stays light.
 """
 from __future__ import annotations
 
@@ -13,4 +15,11 @@ def local_batches(cfg, limit=None, epoch=0, with_skips=False):
     return _local_batches(cfg, limit=limit, epoch=epoch, with_skips=with_skips)
 
 
-__all__ = ["local_batches"]
+def batch_by_token_budget(ds, **kwargs):
+    """See ray_mmbatch.dataflow.operator.batch_by_token_budget (imported lazily: the package import stays light)."""
+    from ray_mmbatch.dataflow.operator import batch_by_token_budget as _batch_by_token_budget
+
+    return _batch_by_token_budget(ds, **kwargs)
+
+
+__all__ = ["batch_by_token_budget", "local_batches"]

@@ -11,9 +11,6 @@ Pure module: no ray, no torch.
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
-
 # ---------------------------------------------------------------- RAW row
 # One row per sample, as produced by every reader (data/sources.py).
 SAMPLE_ID = "sample_id"          # str, unique within a dataset
@@ -94,7 +91,7 @@ BATCH_PADDED_TOKENS = "padded_tokens"  # int: tokens of compute the batch occupi
                                        # (budget for pack, rows*longest for pad)
 BATCH_TARGET_TOKENS = "target_tokens"  # int: tokens with a label (loss normalizer)
 BATCH_N_SAMPLES = "n_samples"          # int
-BATCH_SKIPPED = "skipped"              # str: the batch's skip records (SkipRecord below: encode_skips)
+BATCH_SKIPPED = "skipped"              # str: the batch's skip records (data/errors.encode_skips)
 BATCH_POSITIONS = "positions"          # list<int64>: read position (data/position.py) of each sample id (-1: none)
 BATCH_POSITION_UNIT_ROWS = "position_unit_rows"  # list<int64>: row count of each position's read unit
 
@@ -136,35 +133,10 @@ def epoch_dataset_name(epoch: int) -> str:
 
 
 
-# ---------------------------------------------------------------- skip records
+# ---------------------------------------------------------------- skip text
 # A skip travels as text in the RAW / MEASURED columns (READ_ERROR, SKIP_REASON: "reason" or
-# "reason: detail", built by skip_text and split by parse_skip, nowhere else) and as a
-# SkipRecord from the plan stage on: in BATCH_SKIPPED, the run's skip log and skipped.csv.
-@dataclass(frozen=True)
-class SkipRecord:
-    """One sample (or unreadable file) left out, and why; ``position`` / ``unit_rows``: its read
-    position (data/position.py), so a resume knows it is done (-1 / 0: none)."""
-
-    sample_id: str
-    reason: str
-    detail: str = ""
-    position: int = -1
-    unit_rows: int = 0
-
-    @classmethod
-    def of(cls, sample_id: str, text: str, position: int = -1, unit_rows: int = 0) -> SkipRecord:
-        """From the column text ("reason: detail")."""
-        reason, detail = parse_skip(text)
-        return cls(str(sample_id), reason, detail, int(position), int(unit_rows))
-
-    @property
-    def text(self) -> str:
-        return skip_text(self.reason, self.detail)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
+# "reason: detail", built by skip_text and split by parse_skip, nowhere else); from the plan
+# stage on it is a data/errors.SkipRecord.
 def skip_text(reason: str, detail: str = "") -> str:
     """The column text of a skip: ``"reason"`` or ``"reason: detail"``."""
     return f"{reason}: {detail}" if detail and detail != reason else reason
@@ -174,12 +146,3 @@ def parse_skip(text: str) -> tuple[str, str]:
     """``"reason: detail"`` -> (reason, detail); the inverse of skip_text."""
     reason, _, detail = str(text).partition(":")
     return reason.strip(), detail.strip()
-
-
-def encode_skips(records: list[SkipRecord]) -> str:
-    """The BATCH_SKIPPED cell: JSON of the records' fields (a cell holds any number, none included)."""
-    return json.dumps([r.to_dict() for r in records])
-
-
-def decode_skips(cell) -> list[SkipRecord]:
-    return [SkipRecord(**d) for d in json.loads(str(cell))]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from ray_mmbatch.config import Config
+from ray_mmbatch.data.errors import SkipRecord
 from ray_mmbatch.run.guards import SKIP_CHECK_MIN_SAMPLES, explain_skips, find_image_folder, skip_fraction_exceeded
 from ray_mmbatch.run.preflight import PreflightError, preflight
-from ray_mmbatch.schema import SkipRecord
 from ray_mmbatch.synthetic.generate import generate_dataset
 
 BIN = Path(sys.executable).parent

@@ -12,6 +12,7 @@ import pytest
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching.collate import decode_batch
 from ray_mmbatch.config import Config
+from ray_mmbatch.data.errors import decode_skips
 from ray_mmbatch.synthetic.generate import generate_dataset
 from ray_mmbatch.train.trainer import tokenizer_ids
 
@@ -96,7 +97,7 @@ def test_every_sample_once_within_budget(ray_cluster, bad_datasets, fmt, mode, e
     for row in rows:
         if int(row[S.BATCH_N_SAMPLES]):
             trained += list(_check_batch(row, cfg)["sample_ids"])
-        for rec in S.decode_skips(row[S.BATCH_SKIPPED]):
+        for rec in decode_skips(row[S.BATCH_SKIPPED]):
             assert rec.sample_id not in skipped, f"{rec.sample_id} reported twice"
             assert rec.position >= 0 and rec.unit_rows > 0, rec  # a resume must know it is done
             skipped[rec.sample_id] = rec.reason

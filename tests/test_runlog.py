@@ -47,8 +47,8 @@ def test_the_driver_writes_the_ranks_events_and_a_restore_undoes_later_steps(tmp
 
 
 def test_skip_records_have_one_text_form_and_round_trip():
-    from ray_mmbatch.data.errors import SampleSkip
-    from ray_mmbatch.schema import SkipRecord, decode_skips, encode_skips, parse_skip, skip_text
+    from ray_mmbatch.data.errors import SampleSkip, SkipRecord, decode_skips, encode_skips
+    from ray_mmbatch.schema import parse_skip, skip_text
 
     rec = SkipRecord.of("a/1", "corrupt_image: truncated: at byte 9", 7, 50)
     assert (rec.reason, rec.detail, rec.position, rec.unit_rows) == ("corrupt_image", "truncated: at byte 9", 7, 50)

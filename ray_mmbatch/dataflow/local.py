@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
+from ray_mmbatch.data.errors import decode_skips
 
 
 def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1),
@@ -67,7 +68,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     """Collated batches (as a Train worker receives them) for ``cfg``; ``limit`` stops after that many.
 
     The config goes through ``models.configure`` first (a checkpoint's image / text settings).
-    ``with_skips`` also yields ``{"skipped": [schema.SkipRecord, ...]}`` as they occur.
+    ``with_skips`` also yields ``{"skipped": [SkipRecord, ...]}`` as they occur.
     ``shard=(i, n)``: only units i, i+n, i+2n, ... of the epoch's unit order (one DataLoader
     worker's share; each shard shuffles and plans its own stream, so batches differ from a
     single stream's). Unsharded, the order and batches equal the Ray path's (deterministic mode):
@@ -101,7 +102,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
         for i in range(len(plans[S.BATCH_ID])):
             one = {k: [v[i]] for k, v in plans.items()}
             row = {k: v[0] for k, v in materialize(one).items()}
-            skipped = S.decode_skips(row[S.BATCH_SKIPPED])
+            skipped = decode_skips(row[S.BATCH_SKIPPED])
             if with_skips and skipped:
                 yield {"skipped": skipped}
             if int(row[S.BATCH_N_SAMPLES]) == 0:

@@ -28,6 +28,7 @@ import numpy as np
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, DataConfig, ImageConfig, TextConfig
+from ray_mmbatch.data.errors import SkipRecord, decode_skips, encode_skips
 
 PAYLOAD_KEYS = "payload_keys"  # PLAN row: list<str>, where each sample's measured row waits (payloads.py)
 LIGHT_COLUMNS = (S.SAMPLE_ID, S.SKIP_REASON, S.TOKENS, S.PATCHES, S.N_IMAGES) + S.READ_POSITION_COLUMNS
@@ -139,14 +140,14 @@ def _position(row: dict) -> tuple[int, int]:
     return int(encode_positions([row[S.UNIT]], [row[S.UNIT_ROW]])[0]), int(row[S.UNIT_ROWS])
 
 
-def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[S.SkipRecord], str, bool]:
+def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[SkipRecord], str, bool]:
     """(usable rows, skip records of the skipped rows, window key, end-of-stream seen) of one window."""
     from ray_mmbatch.formats.end_of_stream import split_marker
 
     rows, end = split_marker(_rows(batch))
     window_key = str(rows[0][S.SAMPLE_ID]) if rows else ("end" if end else "empty")
     ok = [_plain(r) for r in rows if not r[S.SKIP_REASON]]
-    skipped = [S.SkipRecord.of(r[S.SAMPLE_ID], r[S.SKIP_REASON], *_position(r)) for r in rows if r[S.SKIP_REASON]]
+    skipped = [SkipRecord.of(r[S.SAMPLE_ID], r[S.SKIP_REASON], *_position(r)) for r in rows if r[S.SKIP_REASON]]
     return ok, skipped, window_key, end
 
 
@@ -164,7 +165,7 @@ def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key
         out[S.BATCH_ID].append(f"e{epoch}/{window_key}/{j}")
         out[S.BATCH_SAMPLE_IDS].append([str(r[S.SAMPLE_ID]) for r in members])
         out[PAYLOAD_KEYS].append([payload_key(r) for r in members])
-        out[S.BATCH_SKIPPED].append(S.encode_skips(skipped if j == 0 else []))
+        out[S.BATCH_SKIPPED].append(encode_skips(skipped if j == 0 else []))
     return out
 
 
@@ -265,7 +266,7 @@ class MaterializeStage:
         done: list[str] = []
         for i in range(len(batch[S.BATCH_ID])):
             members = [next(fetched) for _ in keys[i]]
-            row = materialize_plan_row(members, S.decode_skips(batch[S.BATCH_SKIPPED][i]),
+            row = materialize_plan_row(members, decode_skips(batch[S.BATCH_SKIPPED][i]),
                                        self.image_cfg, self.budget_cfg, self.pad_id)
             row[S.BATCH_ID] = str(batch[S.BATCH_ID][i])
             for k in out:
@@ -275,7 +276,7 @@ class MaterializeStage:
         return out
 
 
-def materialize_plan_row(members: list[dict], skipped: list[S.SkipRecord], image_cfg: ImageConfig,
+def materialize_plan_row(members: list[dict], skipped: list[SkipRecord], image_cfg: ImageConfig,
                          budget_cfg: BudgetConfig, pad_id: int) -> dict[str, Any]:
     """Pure: the measured rows of one planned batch -> the fields of a BATCH row.
 
@@ -292,7 +293,7 @@ def materialize_plan_row(members: list[dict], skipped: list[S.SkipRecord], image
             samples.append(materialize_sample(r, image_cfg))
             positions.append(_position(r))
         except ImageSkip as e:
-            skipped.append(S.SkipRecord(str(r[S.SAMPLE_ID]), e.reason, e.detail, *_position(r)))
+            skipped.append(SkipRecord(str(r[S.SAMPLE_ID]), e.reason, e.detail, *_position(r)))
     if samples:
         collate = collate_pack if budget_cfg.mode == "pack" else collate_pad
         b = collate(samples, pad_id)
@@ -309,7 +310,7 @@ def materialize_plan_row(members: list[dict], skipped: list[S.SkipRecord], image
         S.BATCH_PADDED_TOKENS: padded,
         S.BATCH_TARGET_TOKENS: target,
         S.BATCH_N_SAMPLES: len(samples),
-        S.BATCH_SKIPPED: S.encode_skips(skipped),
+        S.BATCH_SKIPPED: encode_skips(skipped),
         S.BATCH_POSITIONS: [p for p, _ in positions],
         S.BATCH_POSITION_UNIT_ROWS: [n for _, n in positions],
     }

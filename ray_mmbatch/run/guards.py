@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ray_mmbatch import schema as S
+from ray_mmbatch.data.errors import SkipRecord
 
 SKIP_CHECK_MIN_SAMPLES = 50
 """Samples seen before the skip fraction is judged (a smaller dataset is judged at its end)."""
@@ -36,7 +37,7 @@ def skip_fraction_exceeded(seen: int, skipped: int, max_fraction: float, at_end:
     return skipped / seen > max_fraction
 
 
-def explain_skips(records: Iterable[S.SkipRecord], seen: int, max_fraction: float, data_cfg=None,
+def explain_skips(records: Iterable[SkipRecord], seen: int, max_fraction: float, data_cfg=None,
                   where: str = "", see_also: str = "skipped.csv lists every one") -> str:
     """The message naming the top reasons of these skip records and their fixes."""
     by_reason: dict[str, list[tuple[str, str]]] = {}

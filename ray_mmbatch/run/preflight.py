@@ -19,6 +19,7 @@ import copy
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
+from ray_mmbatch.data.errors import SkipRecord
 from ray_mmbatch.run.guards import explain_skips, skip_fraction_exceeded
 
 PREFLIGHT_SAMPLES = 64
@@ -63,7 +64,7 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         raise PreflightError(f"model: {what} does not load: {_one_line(e)}") from None
 
     rows = _first_rows(cfg, samples, fmt)
-    reasons = [S.SkipRecord.of(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows if r[S.SKIP_REASON]]
+    reasons = [SkipRecord.of(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows if r[S.SKIP_REASON]]
     seen = len(rows)
     at_end = seen < samples  # the whole (small) dataset was read
     if skip_fraction_exceeded(seen, len(reasons), d.max_skip_fraction, at_end=at_end):

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching.layout import filler_batch, mask_samples, zero_target
 from ray_mmbatch.config import Config, apply_overrides, flatten
+from ray_mmbatch.data.errors import decode_skips
 from ray_mmbatch.data.position import DataPosition
 from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.train import checkpoint as ckpt
@@ -122,7 +123,7 @@ class Runner:
             row = next(rows, None)
             if row is None:
                 break
-            records = S.decode_skips(row[S.BATCH_SKIPPED])
+            records = decode_skips(row[S.BATCH_SKIPPED])
             for rec in records:
                 self.files.append("skipped", {"step": self.step, **rec.to_dict()})
             skipped += len(records)

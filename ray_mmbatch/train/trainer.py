@@ -19,6 +19,7 @@ from ray.train import DataConfig
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
+from ray_mmbatch.data.errors import SkipRecord
 from ray_mmbatch.formats import fs
 from ray_mmbatch.run.rundir import RunDir, read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
@@ -279,7 +280,7 @@ def _explain_stop(cfg: Config, out: Path, stop: dict[str, int]) -> str:
     from ray_mmbatch.run.guards import explain_skips
 
     with open(out / RunDir.SKIPPED, newline="") as f:
-        records = [S.SkipRecord(r["sample_id"], r["reason"], r["detail"]) for r in csv.DictReader(f)]
+        records = [SkipRecord(r["sample_id"], r["reason"], r["detail"]) for r in csv.DictReader(f)]
     return explain_skips(records, max(int(stop["seen"]), len(records)), cfg.data.max_skip_fraction, cfg.data)
 
 
