@@ -191,7 +191,6 @@ def plan_window(batch: dict[str, np.ndarray], *, budget: Budget, tokens: str = "
         plan = plan_batches_arrays(t[good], p[good], m[good], budget, seed=window_seed(seed, 0, key),
                                    algorithm=algorithm)
         groups = [good[g].tolist() for g in plan]
-    groups = groups[:-1] if len(groups) > 3 else groups
     n_fit = len(groups)
     groups += [[int(k)] for k in np.flatnonzero(bad)]
     text_cols = _text_columns(batch, t, ids) if text else None
@@ -339,7 +338,7 @@ def _text_columns(batch, t: np.ndarray, ids) -> dict[str, list]:
             raise ValueError(f"batch_by_token_budget: {_describe(k, n, ids)} labels {lab.shape} and input_ids "
                              f"{x.shape} differ in shape")
         shifted = np.full(len(x), IGNORE_INDEX, np.int32)
-        shifted[:] = lab
+        shifted[:-1] = lab[1:]
         input_ids.append(x.astype(np.int32))
         labels.append(shifted)
     return {"input_ids": input_ids, "labels": labels}
