@@ -88,6 +88,23 @@ def backend_of(model) -> ModuleType | None:
     return backend_module(name) if name else None
 
 
+HF_STATE_PREFIX = "hf_model."
+"""HFModel's state_dict keys of the transformers model start with this (``save_pretrained`` wants it stripped)."""
+
+
+def hf_fsdp_units(model) -> list:
+    """``fsdp_units`` of every HF backend: hf_common.fsdp_units (imported when called, so that
+    configuring a run does not load torch)."""
+    from ray_mmbatch.models.hf_common import fsdp_units
+
+    return fsdp_units(model)
+
+
+def hf_state_prefix(model) -> str:
+    """``state_prefix`` of every HF backend: HFModel keeps the transformers model under ``hf_model.``."""
+    return HF_STATE_PREFIX
+
+
 def outermost_blocks(model, is_block, skip=()) -> list:
     """The submodules of ``model`` (not itself) for which ``is_block(module)``, outermost first, in model
     order: a block inside one already taken is not listed. Modules inside ``skip`` are never taken.

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ray_mmbatch.models import HF_STATE_PREFIX
 from ray_mmbatch.schema import IGNORE_INDEX
 
 # files of a checkpoint dir that describe the tokenizer / processor (copied on export)
@@ -203,8 +204,7 @@ class HFModel(nn.Module):
         return self._target_ce(hidden, labels, "sum"), (labels != IGNORE_INDEX).sum()
 
 
-STATE_PREFIX = "hf_model."
-"""HFModel's state_dict keys of the transformers model start with this (``save_pretrained`` wants it stripped)."""
+STATE_PREFIX = HF_STATE_PREFIX
 
 
 def fsdp_units(model: HFModel) -> list[nn.Module]:

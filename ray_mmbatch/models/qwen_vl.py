@@ -31,6 +31,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ray_mmbatch.models import hf_fsdp_units, hf_state_prefix
+
 NAME = "qwen_vl"
 MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -207,18 +209,8 @@ def vision_modules(model) -> list:
     return _vision_modules(model.hf_model)
 
 
-def fsdp_units(model) -> list:
-    """The decoder layers (the HF model's ``_no_split_modules`` outside the vision tower: hf_common.fsdp_units)."""
-    from ray_mmbatch.models.hf_common import fsdp_units
-
-    return fsdp_units(model)
-
-
-def state_prefix(model) -> str:
-    """``hf_model.``: export's save_pretrained takes the transformers model's keys (hf_common.STATE_PREFIX)."""
-    from ray_mmbatch.models.hf_common import STATE_PREFIX
-
-    return STATE_PREFIX
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family
+fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
 
 
 def create_model(cfg, ids: dict):
