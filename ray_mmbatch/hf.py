@@ -3,11 +3,11 @@
     cfg = ray_mmbatch.hf.config_from_checkpoint("/ckpt/Qwen2.5-VL-3B-Instruct")
     model = ray_mmbatch.hf.load_model("/ckpt/Qwen2.5-VL-3B-Instruct")
     for batch in ray_mmbatch.local_batches(cfg, limit=2):
-        ce_sum, n_target = model(batch_to_torch(batch, "cpu"), loss_only=True)
+        ce_sum, n_target = model(batch, loss_only=True)
 
 ``load_model`` returns a ``torch.nn.Module`` with the built-in model's contract
 (``forward(batch, loss_only=True) -> (ce_sum, n_target)`` on the dict a Train worker
-receives) and the transformers model as ``.hf_model``.
+receives, numpy as the iterators yield it or torch) and the transformers model as ``.hf_model``.
 """
 from __future__ import annotations
 

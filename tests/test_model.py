@@ -367,3 +367,13 @@ def test_segment_buckets_cover_every_token_once_and_bound_the_work():
     assert work <= (np.maximum(all_lens / BUCKET_RATIO, BUCKET_FLOOR) ** 2).sum()
     assert work < 0.2 * length ** 2                                                     # vs the T x T mask
     assert len(buckets) <= 1 + np.ceil(np.log(all_lens.max() / BUCKET_FLOOR) / np.log(1 / BUCKET_RATIO)) + 1
+
+
+def test_the_builtin_model_takes_numpy_batches(tok):
+    """Issue 25: the batch as the iterators yield it (numpy) gives the loss of its torch copy."""
+    model, batch = tiny_model(tok), pack(four_samples(tok))
+    assert isinstance(batch["input_ids"], np.ndarray)
+    with torch.no_grad():
+        ce, n = model(batch, loss_only=True)
+        ce_t, n_t = model(t(batch), loss_only=True)
+    assert int(n) == int(n_t) > 0 and torch.equal(ce, ce_t)

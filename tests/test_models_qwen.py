@@ -384,3 +384,23 @@ def test_backend_registry_and_export_round_trip(family, tmp_path):
     assert all(torch.equal(v, ref[k]) for k, v in back.state_dict().items())
     again = qwen_vl.configure(_fresh(tmp_path))
     assert again.image == family.cfg.image and again.text.image_token == family.cfg.text.image_token
+
+
+def test_the_model_takes_a_batch_as_local_batches_yields_it(family, tmp_path):
+    """Issue 25: numpy batches straight from the iterator (no batch_to_torch by hand), same loss as torch."""
+    if family.name != "qwen2_vl":
+        pytest.skip("checked on qwen2_vl")
+    from ray_mmbatch import hf, local_batches
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    generate_dataset(str(tmp_path / "d"), 12, "parquet", seed=2, workers=1)
+    cfg = hf.config_from_checkpoint(str(family.path))
+    cfg.data.path, cfg.data.format = str(tmp_path / "d"), "parquet"
+    model = hf.load_model(str(family.path)).eval()
+    batch = next(iter(local_batches(cfg, limit=1)))
+    assert isinstance(batch["input_ids"], np.ndarray)
+    with torch.no_grad():
+        ce, n = model(batch, loss_only=True)
+        ce_t, n_t = model(batch_to_torch(batch, "cpu"), loss_only=True)
+    assert int(n) == int(n_t) == int(batch["target_tokens"]) > 0
+    assert torch.allclose(ce, ce_t)

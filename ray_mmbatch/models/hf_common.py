@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ray_mmbatch.models import HF_STATE_PREFIX
+from ray_mmbatch.models.inputs import as_torch
 from ray_mmbatch.schema import IGNORE_INDEX
 
 # files of a checkpoint dir that describe the tokenizer / processor (copied on export)
@@ -194,6 +195,7 @@ class HFModel(nn.Module):
         return self._target_ce(hidden, batch["labels"], "none")
 
     def forward(self, batch: dict, loss_only: bool = False):
+        batch = as_torch(batch, self)  # a batch as local_batches / Ray Data yield it works as is
         hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
         patches = batch.get("patches")
         if torch.is_grad_enabled() and (patches is None or patches.shape[0] == 0):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 
 import numpy as np
 import torch
@@ -28,36 +27,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ray_mmbatch.config import TrainConfig
+from ray_mmbatch.models.inputs import batch_to_torch  # noqa: F401 (the train step's callers import it here)
 from ray_mmbatch.schema import IGNORE_INDEX
 
-# Token-index arrays go to int64 on the device (embedding / CE want long); the
-# copy is made after the transfer so the host->device bytes stay int32.
-_LONG_KEYS = ("input_ids", "labels", "position_ids")
 PRECISIONS = ("auto", "bf16", "fp32")
-
-
-def batch_to_torch(batch: dict, device: torch.device | str, non_blocking: bool = True) -> dict:
-    """numpy arrays -> tensors on ``device`` (pinned staging on CUDA); other values pass through."""
-    device = torch.device(device)
-    pin = device.type == "cuda"
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biuf":
-            with warnings.catch_warnings():
-                # Arrays decoded from a Ray block are read-only; we never write
-                # into these tensors, so sharing the buffer is safe.
-                warnings.simplefilter("ignore", UserWarning)
-                tensor = torch.from_numpy(np.ascontiguousarray(value))
-            if pin:
-                tensor = tensor.pin_memory()
-            tensor = tensor.to(device, non_blocking=non_blocking and pin)
-            out[key] = tensor.long() if key in _LONG_KEYS else tensor
-        elif isinstance(value, np.generic):
-            out[key] = value.item()
-        else:
-            out[key] = value
-    return out
-
 
 def count_targets(batch: dict) -> int:
     """Target tokens of a batch (numpy or torch), counted from its labels."""

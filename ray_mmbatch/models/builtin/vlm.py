@@ -33,6 +33,7 @@ from ray_mmbatch.models.builtin.attention import BACKENDS, pack_layout, pad_layo
 from ray_mmbatch.models.builtin.decoder import Decoder
 from ray_mmbatch.models.builtin.layers import init_weights
 from ray_mmbatch.models.builtin.vision import VisionEncoder
+from ray_mmbatch.models.inputs import as_torch
 from ray_mmbatch.schema import IGNORE_INDEX
 
 MODES = ("pack", "pad")
@@ -78,6 +79,7 @@ class VisionLanguageModel(nn.Module):
         Going through ``forward`` (not a side method) matters under DDP: only
         ``forward`` arms the gradient all-reduce hooks.
         """
+        batch = as_torch(batch, self)  # a batch as local_batches / Ray Data yield it works as is
         hidden = self.hidden_states(batch)
         if loss_only:
             return self.target_loss_sum(hidden, batch["labels"])
