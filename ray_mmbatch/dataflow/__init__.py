@@ -7,6 +7,7 @@
     pools.py          actor pool sizes from the cluster's nodes, and the resource pre-flight
     inspection.py     the inspect job (every sample read, measured and materialized, counted)
     local.py          local_batches: the same stages in one process, no Ray
+    operator.py       batch_by_token_budget: the planners over any user's Ray Dataset
 
 stages.py, payload_store.py, pools.py and local.py import no Ray (tests/test_pure_imports.py
 runs local_batches without loading it); the rest is Ray's.
