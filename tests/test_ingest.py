@@ -1,0 +1,90 @@
+"""A user's own Ray Train loop fed by the project's batches (train/ingest.py, issue 25): two DDP
+workers, every sample once, the same number of steps on every rank, the loss normalized over ranks;
+and the HF forward kwargs of a batch drive the transformers model to the project's own loss."""
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from ray_mmbatch.config import Config, apply_overrides, flatten
+from ray_mmbatch.synthetic.generate import generate_dataset
+
+
+def _user_loop(config: dict) -> None:
+    """What a user writes: their model, their optimizer, ingest.iter_batches."""
+    import ray.train
+    import ray.train.torch
+    import torch.distributed as dist
+
+    from ray_mmbatch.models import get_backend, token_ids
+    from ray_mmbatch.train import ingest
+
+    cfg = apply_overrides(Config(), flatten(config["cfg"]))
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(get_backend(cfg).create_model(cfg, token_ids(cfg)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, steps, norms = [], 0, []
+    for batch in ingest.iter_batches(epoch=0):
+        ce_sum, n_target = model(batch, loss_only=True)
+        norm = ingest.target_normalizer([batch])
+        (ce_sum * dist.get_world_size() / norm).backward()  # DDP averages over ranks
+        opt.step()
+        opt.zero_grad()
+        ids += [str(s) for s in batch["sample_ids"]]
+        steps, norms = steps + 1, norms + [norm]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"ids": ids, "steps": steps, "norms": norms})
+    if dist.get_rank() == 0:
+        with open(config["out"], "w") as f:
+            json.dump(everyone, f)
+    ray.train.report({"steps": steps})
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_users_train_loop_gets_every_sample_once_in_lockstep(ray_cluster, tmp_path):
+    from ray import cloudpickle
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from ray_mmbatch.train import ingest
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import a test module
+    manifest = generate_dataset(str(tmp_path / "d"), 90, "parquet", seed=4, shard_size=30, workers=1)
+    cfg = Config()
+    cfg.data.path, cfg.data.format = str(tmp_path / "d"), "parquet"
+    cfg.budget.max_tokens, cfg.budget.window = 2048, 32
+    out = tmp_path / "ranks.json"
+    TorchTrainer(_user_loop, train_loop_config={"cfg": cfg.to_dict(), "out": str(out)},
+                 scaling_config=ScalingConfig(num_workers=2), datasets=ingest.datasets(cfg, epochs=1),
+                 dataset_config=ingest.data_config()).fit()
+    ranks = json.loads(out.read_text())
+    trained = [sid for r in ranks for sid in r["ids"]]
+    assert len(trained) == len(set(trained)), "a sample reached two ranks"
+    assert sorted(trained) == sorted(manifest["ids"]), "a sample was lost"  # no broken samples in this set
+    assert ranks[0]["steps"] == ranks[1]["steps"] > 0  # lockstep: DDP would hang otherwise
+    assert ranks[0]["norms"] == ranks[1]["norms"]  # one normalizer per step, over both ranks
+
+
+def test_hf_forward_kwargs_give_the_projects_loss(tmp_path):
+    """to_hf_inputs: the transformers base model on those kwargs + the LM head gives model(batch)'s logits."""
+    from ray_mmbatch import hf, local_batches
+    from ray_mmbatch.train import ingest
+    from tests.hf_checkpoints import make_qwen_checkpoint
+
+    path = make_qwen_checkpoint(tmp_path / "ckpt", "qwen2_vl")
+    generate_dataset(str(tmp_path / "d"), 10, "parquet", seed=6, workers=1)
+    cfg = hf.config_from_checkpoint(str(path))
+    cfg.data.path, cfg.data.format = str(tmp_path / "d"), "parquet"
+    model = hf.load_model(str(path)).eval()
+    batch = next(iter(local_batches(cfg, limit=1)))
+    kwargs = ingest.to_hf_inputs(batch, model)
+    assert "labels" not in kwargs and kwargs["use_cache"] is False
+    with torch.no_grad():
+        logits = model.hf_model.lm_head(model.hf_model.model(**kwargs).last_hidden_state)
+        torch.testing.assert_close(logits, model(batch))
+    with pytest.raises(TypeError, match="loss_only"):
+        ingest.to_hf_inputs(batch, torch.nn.Linear(2, 2))
