@@ -75,7 +75,6 @@ def iter_batches(epoch: int = 0, device=None, lockstep: bool = True,
     from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.batching.layout import filler_batch, zero_target
     from ray_mmbatch.models.inputs import batch_to_torch
-
     from ray_mmbatch.train.stall import guarded
 
     device = device or ray.train.torch.get_device()
