@@ -19,7 +19,8 @@ def zero_target(batch: dict[str, Any]) -> dict[str, Any]:
     b = dict(batch)
     b["labels"] = np.full_like(batch["labels"], IGNORE_INDEX)
     b["target_tokens"] = 0
-    b["real_tokens"] = 0  # it trains nothing
+    b["real_tokens"] = 0  # it trains nothing: no sample is in it
+    b["sample_ids"] = []
     return b
 
 
