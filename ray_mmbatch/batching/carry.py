@@ -41,7 +41,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from .budget import Budget
-from .plan import ALGORITHMS, _as_costs, check_fits_alone, resolve_algorithm
+from .plan import ALGORITHMS, as_costs, check_fits_alone, resolve_algorithm
 
 T = TypeVar("T")
 
@@ -86,7 +86,7 @@ class CarryPlanner(Generic[T]):
         Raises OversizeError (index into ``items``) before touching any state if a new
         item cannot fit a batch alone.
         """
-        tokens, patches, images = _as_costs(tokens, patches, images)
+        tokens, patches, images = as_costs(tokens, patches, images)
         if len(items) != len(tokens):
             raise ValueError(f"{len(items)} items but {len(tokens)} costs")
         check_fits_alone(tokens, patches, images, self.budget)

@@ -61,7 +61,7 @@ def plan_batches_arrays(tokens, patches=None, images=None, budget: Budget | None
     """Array form of plan_batches; ``patches`` / ``images`` default to zeros."""
     if budget is None:
         raise ValueError("budget is required")
-    tokens, patches, images = _as_costs(tokens, patches, images)
+    tokens, patches, images = as_costs(tokens, patches, images)
     check_fits_alone(tokens, patches, images, budget)
     name = resolve_algorithm(budget.mode, algorithm)
     batches = ALGORITHMS[name](tokens, patches, images, budget.limits())
@@ -69,10 +69,11 @@ def plan_batches_arrays(tokens, patches=None, images=None, budget: Budget | None
     return [batches[k] for k in perm]
 
 
-def _as_costs(tokens, patches, images):
+def as_costs(tokens, patches, images, names=("tokens", "patches", "images")):
+    """The three cost arrays as int64 (None: zeros), or ValueError naming the bad one (``names``)."""
     arrays = []
     n = len(tokens)
-    for name, a in (("tokens", tokens), ("patches", patches), ("images", images)):
+    for name, a in zip(names, (tokens, patches, images)):
         a = np.zeros(n, np.int64) if a is None else np.asarray(a)
         if a.ndim != 1 or len(a) != n:
             raise ValueError(f"{name} must be a 1-D array of length {n}, got shape {a.shape}")
@@ -87,11 +88,8 @@ def _as_costs(tokens, patches, images):
     return arrays
 
 
-def check_fits_alone(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray,
-                     budget: Budget) -> None:
-    """Raise OversizeError for the first sample that no batch can hold."""
-    if not len(tokens):
-        return
+def oversize_mask(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray, budget: Budget) -> np.ndarray:
+    """True for each sample that breaks a budget alone (no batch can hold it)."""
     tf = tokens.astype(np.float64)
     cost = tf + budget.attn_weight * tf * tf if budget.attn_weight else tokens
     bad = cost > budget.max_tokens
@@ -99,6 +97,15 @@ def check_fits_alone(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray
         bad |= patches > budget.max_patches
     if budget.max_images is not None:
         bad |= images > budget.max_images
+    return np.asarray(bad, dtype=bool)
+
+
+def check_fits_alone(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray,
+                     budget: Budget) -> None:
+    """Raise OversizeError for the first sample that no batch can hold."""
+    if not len(tokens):
+        return
+    bad = oversize_mask(tokens, patches, images, budget)
     if bad.any():
         k = int(np.argmax(bad))
         c = SampleCost(int(tokens[k]), int(patches[k]), int(images[k]))

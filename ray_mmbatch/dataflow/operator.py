@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ray_mmbatch.batching import Budget, OversizeError, SampleCost, plan_batches_arrays
-from ray_mmbatch.batching.plan import resolve_algorithm
+from ray_mmbatch.batching.plan import as_costs, oversize_mask, resolve_algorithm
 from ray_mmbatch.schema import IGNORE_INDEX
 
 BATCH_ID, N_ROWS, REAL_TOKENS, PADDED_TOKENS, FILL, OVERSIZE = (
@@ -177,7 +177,7 @@ def plan_window(batch: dict[str, np.ndarray], *, budget: Budget, tokens: str = "
         return out
     ids = _row_names(batch, id_column)
     key = _window_key(t, p, m, ids)
-    bad = _oversize_mask(t, p, m, budget)
+    bad = oversize_mask(t, p, m, budget)
     if bad.any() and oversize == "raise":
         k = int(np.argmax(bad))
         c = SampleCost(int(t[k]), int(p[k]), int(m[k]))
@@ -244,24 +244,10 @@ def _window_costs(batch, n, tokens, patches, images, cost_fn):
                "patches": _column(batch, patches, "patches") if patches is not None else None,
                "images": _column(batch, images, "images") if images is not None else None}
         what = "column"
-    arrays = []
-    for name in ("tokens", "patches", "images"):
-        v = src[name]
-        if v is None:
-            arrays.append(np.zeros(n, np.int64))
-            continue
-        a = np.asarray(v)
-        if a.shape != (n,):
-            raise ValueError(f"{what} {name} must hold one number per row ({n} rows), got shape {a.shape}")
-        if n and not np.issubdtype(a.dtype, np.integer):
-            a = a.astype(np.float64)
-            if not (np.all(np.isfinite(a)) and np.all(a == np.floor(a))):
-                raise ValueError(f"{what} {name} must hold whole numbers, got {a[:5].tolist()}...")
-        a = a.astype(np.int64)
-        if n and a.min() < 0:
-            k = int(np.argmin(a))
-            raise ValueError(f"{what} {name} is negative for row {k} of its window: {int(a[k])}")
-        arrays.append(a)
+    if np.shape(src["tokens"]) != (n,):
+        raise ValueError(f"{what} tokens must hold one number per row ({n} rows), got shape {np.shape(src['tokens'])}")
+    arrays = as_costs(src["tokens"], src["patches"], src["images"], [f"{what} {k}" for k in ("tokens", "patches",
+                                                                                              "images")])
     has_p, has_m = src["patches"] is not None, src["images"] is not None
     return arrays[0], arrays[1], arrays[2], has_p, has_m
 
@@ -273,18 +259,6 @@ def _column(batch, name: str, role: str) -> np.ndarray:
         return np.fromiter((len(x) for x in batch["input_ids"]), dtype=np.int64, count=len(batch["input_ids"]))
     raise ValueError(f"batch_by_token_budget: no {role} column {name!r} in the rows (columns: {sorted(batch)}); "
                      f"name it with {role}=..., or pass cost_fn")
-
-
-def _oversize_mask(t, p, m, budget: Budget) -> np.ndarray:
-    """Rows that break a budget alone (the same arithmetic as plan.check_fits_alone)."""
-    tf = t.astype(np.float64)
-    cost = tf + budget.attn_weight * tf * tf if budget.attn_weight else t
-    bad = cost > budget.max_tokens
-    if budget.max_patches is not None:
-        bad |= p > budget.max_patches
-    if budget.max_images is not None:
-        bad |= m > budget.max_images
-    return np.asarray(bad, dtype=bool)
 
 
 def _row_names(batch, id_column: str | None) -> np.ndarray | None:
