@@ -159,6 +159,53 @@ def test_same_seed_same_batches(ray_cluster):
     assert sorted(i for _, ids in plan(2) for i in ids) == list(range(600))
 
 
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_carry_across_windows_every_row_once_fuller_and_seeded(ray_cluster, mode):
+    """carry > 0: under-filled batches wait for the next window, the rest held at the end is flushed."""
+    ray = ray_cluster
+    rng = np.random.default_rng(11)
+    items = [{"id": i, "input_ids": rng.integers(1, 1000, int(rng.integers(1, 300))).tolist()} for i in range(1500)]
+    ds = ray.data.from_items(items, override_num_blocks=6)
+
+    def run(carry, seed=0):
+        return ray_mmbatch.batch_by_token_budget(ds, mode=mode, max_tokens=1024, max_samples=16, window=100,
+                                                 carry=carry, seed=seed).take_all()
+
+    alone, carried = run(0.0), run(0.25)
+    assert _ids(carried) == list(range(1500))  # held rows come back, the last ones at the flush
+    budget = Budget(1024, mode, max_samples=16)
+    for r in carried:
+        lens = [len(items[i]["input_ids"]) for i in r["id"]]
+        assert budget.violations(lens) == [], r["batch_id"]
+        if mode == "pack":  # the collated row holds its members whole, a held row's too
+            cu = r["cu_seqlens"].tolist()
+            for k, i in enumerate(r["id"]):
+                assert r["input_ids"][0, cu[k]:cu[k + 1]].tolist() == items[i]["input_ids"]
+        else:
+            for k, i in enumerate(r["id"]):
+                n = len(items[i]["input_ids"])
+                assert r["input_ids"][k, :n].tolist() == items[i]["input_ids"] and r["attention_mask"][k].sum() == n
+    fill = {name: token_budget_stats(rows)["fill"] for name, rows in (("alone", alone), ("carry", carried))}
+    assert fill["carry"] > fill["alone"] + 0.005, fill  # 15 window boundaries each leave loose batches
+    assert len(carried) < len(alone)
+    # windows are exact slices of the input in input order: the same batches every time, the seed decides
+    assert [(r["batch_id"], list(r["id"])) for r in run(0.25)] == [(r["batch_id"], list(r["id"])) for r in carried]
+    assert [list(r["id"]) for r in run(0.25, seed=3)] != [list(r["id"]) for r in carried]
+
+
+def test_carry_rejects_a_bad_fraction_and_skips_oversize_rows(ray_cluster):
+    ray = ray_cluster
+    with pytest.raises(ValueError, match="carry must be a fraction"):
+        ray_mmbatch.batch_by_token_budget(None, max_tokens=10, carry=1.5)
+    items = [{"sample_id": f"s{i}", "tokens": 30 + i % 50} for i in range(200)] + [{"sample_id": "big", "tokens": 999}]
+    ds = ray.data.from_items(items, override_num_blocks=2)
+    rows = ray_mmbatch.batch_by_token_budget(ds, max_tokens=256, window=64, carry=0.2, oversize="skip").take_all()
+    assert _ids(rows, "sample_id") == sorted(x["sample_id"] for x in items)
+    assert [list(r["sample_id"]) for r in rows if r["oversize"]] == [["big"]]
+    with pytest.raises(Exception, match="'big'"):
+        ray_mmbatch.batch_by_token_budget(ds, max_tokens=256, window=64, carry=0.2).take_all()
+
+
 def test_example_runs(ray_cluster):
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     r = subprocess.run([sys.executable, str(ROOT / "examples" / "token_budget_text.py"), "--rows", "300"],

@@ -80,6 +80,12 @@ class CarryPlanner(Generic[T]):
         """Items held back right now (planned again with the next window or at flush)."""
         return list(self._items)
 
+    def relabel(self, items: Sequence[T]) -> None:
+        """Rename the held items, in ``held`` order (a caller that re-indexes the rows it keeps)."""
+        if len(items) != len(self._items):
+            raise ValueError(f"relabel: {len(items)} names for {len(self._items)} held items")
+        self._items = list(items)
+
     def feed(self, items: Sequence[T], tokens, patches=None, images=None, seed: int = 0) -> list[list[T]]:
         """Plan ``carried + items``; return the emitted batches (seeded order), keep the rest.
 

@@ -19,10 +19,16 @@ batch even alone raises ``OversizeRowError`` naming the row and the budget it br
 with ``oversize="skip"``, comes back ALONE in a batch row flagged ``oversize=True`` (that
 row breaks the budget: drop it with ``ds.filter(lambda b: not b["oversize"])``).
 
-Not here: carry across windows (``carry=0`` always). The built-in path's carry needs an
-end-of-stream row its readers append (formats/end_of_stream.py); an arbitrary Dataset has no
-such row and Ray Data no end-of-stream hook, so each window of ``window`` rows (fewer where
-Ray hands a shorter batch: map_batches never forms a batch across bundles) is planned alone.
+Carry across windows (``carry`` > 0, the fraction of a window that may be held back):
+planning each window alone leaves its last batches under-filled; with carry, the worst of them
+wait and are planned again with the next window (batching/carry.py, the built-in path's
+planner), and what is still held when the input ends is planned last. The built-in path sees
+the end through a marker row its readers append; a user's Dataset has none and Ray Data no
+end-of-stream hook, so the carry plan runs as ONE task that iterates the input Dataset itself
+(``ds.iter_batches(batch_size=window)``: exact windows, input order kept) and yields the batch
+rows window by window, then the flush. Planning is serial there, as in the built-in plan actor;
+the input's own stages still run in parallel upstream of it. Without carry (the default for
+this operator) every ``map_batches`` window is planned on its own, in parallel.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from ray_mmbatch.batching import Budget, OversizeError, SampleCost, plan_batches_arrays
+from ray_mmbatch.batching.carry import CarryPlanner, resolve_carry
 from ray_mmbatch.batching.plan import as_costs, oversize_mask, resolve_algorithm
 from ray_mmbatch.schema import IGNORE_INDEX
 
@@ -65,7 +72,8 @@ def batch_by_token_budget(ds, *, tokens: str = "tokens", patches: str | None = N
                           max_images: int | None = None, max_samples: int | None = None, window: int = 2048,
                           seed: int = 0, cost_fn: Callable[[dict[str, np.ndarray]], dict] | None = None,
                           algorithm: str = "", attn_weight: float = 0.0, oversize: str = "raise",
-                          pad_id: int = 0, collate: bool | None = None, id_column: str | None = None):
+                          pad_id: int = 0, collate: bool | None = None, id_column: str | None = None,
+                          carry: float = 0.0):
     """Group the rows of ``ds`` into batches under a token budget; one output row per batch (lazy).
 
     Costs of a row: the columns named by ``tokens`` / ``patches`` / ``images`` (whole numbers;
@@ -111,6 +119,11 @@ def batch_by_token_budget(ds, *, tokens: str = "tokens", patches: str | None = N
     shifted per sample; without one the labels are the input_ids. A text row's token cost
     must be >= len(input_ids) (else the collated batch could break the budget: an error).
 
+    ``carry`` (0 = off): the fraction of a window whose rows may wait for the next window
+    (batching/carry.py; 0.05-0.25 is typical, ``DEFAULT_CARRY`` there is what the built-in
+    path uses): windows are then exact ``window``-row slices of the input in input order,
+    planned by one task (module docstring), and ids of held rows move to a later batch.
+
     ``oversize="raise"`` (default): a row that breaks a budget alone raises OversizeRowError
     (a ValueError; it surfaces when the Dataset runs, wrapped by Ray) naming the row (its
     ``id_column`` value, default the ``sample_id`` or ``id`` column when present, else its
@@ -135,8 +148,53 @@ def batch_by_token_budget(ds, *, tokens: str = "tokens", patches: str | None = N
     kwargs = {"budget": budget, "tokens": tokens, "patches": patches, "images": images, "seed": int(seed),
               "cost_fn": cost_fn, "algorithm": algorithm, "oversize": oversize, "pad_id": int(pad_id),
               "collate": collate, "id_column": id_column}
+    if carry:
+        resolve_carry(mode, carry)  # a bad fraction fails here
+        import ray.data
+
+        source = ds
+        return ray.data.range(1, override_num_blocks=1).map_batches(
+            carry_plan, batch_size=None, batch_format="numpy", num_cpus=CARRY_CPUS,
+            fn_kwargs={"source": source, "window": int(window), "carry": float(carry), "kwargs": kwargs})
     return ds.map_batches(plan_window, batch_size=int(window), batch_format="numpy", zero_copy_batch=True,
                           fn_kwargs=kwargs)
+
+
+CARRY_CPUS = 0.25
+"""The carry plan task's CPU share: it mostly waits on the input stream it iterates, whose own tasks
+need the CPUs (a whole CPU here could leave a one-CPU node with none for them)."""
+
+
+def carry_plan(_, *, source, window: int, carry: float, kwargs: dict):
+    """The carry plan (one task, a generator): exact windows of ``source`` in input order, each
+    planned with the rows held from before it, the held rows flushed when ``source`` ends."""
+    from ray.data import DataContext
+
+    DataContext.get_current().execution_options.preserve_order = True  # the same input, the same windows
+    planner: CarryPlanner = CarryPlanner(kwargs["budget"], kwargs["algorithm"], carry)
+    held: dict[str, np.ndarray] | None = None
+    n_held = 0
+    for win in source.iter_batches(batch_size=window, batch_format="numpy"):
+        batch = win if not n_held else {c: _concat(held[c], win[c]) for c in win}
+        out = plan_window(batch, planner=planner, held=n_held, **kwargs)
+        keep = np.asarray(planner.held, np.int64)
+        held, n_held = {c: v[keep] for c, v in batch.items()}, len(keep)
+        planner.relabel(range(n_held))
+        if out.get(BATCH_ID):
+            yield out
+    if n_held:
+        yield plan_window(held, planner=planner, held=n_held, flush=True, **kwargs)
+
+
+def _concat(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    if a.dtype == object or b.dtype == object:
+        out = np.empty(len(a) + len(b), dtype=object)
+        for k, x in enumerate(a):  # element by element: equal-length arrays must not broadcast
+            out[k] = x
+        for k, x in enumerate(b):
+            out[len(a) + k] = x
+        return out
+    return np.concatenate([a, b])
 
 
 def token_budget_stats(batches) -> dict[str, Any]:
@@ -162,8 +220,15 @@ def token_budget_stats(batches) -> dict[str, Any]:
 # ------------------------------------------------------------------ the task (pure: numpy, no ray)
 def plan_window(batch: dict[str, np.ndarray], *, budget: Budget, tokens: str = "tokens", patches: str | None = None,
                 images: str | None = None, seed: int = 0, cost_fn=None, algorithm: str = "", oversize: str = "raise",
-                pad_id: int = 0, collate: bool | None = None, id_column: str | None = None) -> dict[str, list]:
-    """One window of rows -> its batch rows (what each map_batches task runs; callable without Ray)."""
+                pad_id: int = 0, collate: bool | None = None, id_column: str | None = None,
+                planner: CarryPlanner | None = None, held: int = 0, flush: bool = False) -> dict[str, list]:
+    """One window of rows -> its batch rows (what each map_batches task runs; callable without Ray).
+
+    Carry (``carry_plan``): ``planner`` holds items named 0..held-1, the window's first ``held``
+    rows (checked when they were new); the rest are new. ``flush``: the input has ended, plan
+    everything held too."""
+    from ray_mmbatch.dataflow.stages import window_seed
+
     columns = list(batch)
     n = len(batch[columns[0]]) if columns else 0
     text = ("input_ids" in batch) if collate is None else bool(collate)
@@ -177,7 +242,7 @@ def plan_window(batch: dict[str, np.ndarray], *, budget: Budget, tokens: str = "
         return out
     ids = _row_names(batch, id_column)
     key = _window_key(t, p, m, ids)
-    bad = oversize_mask(t, p, m, budget)
+    bad = oversize_mask(t, p, m, budget) & (np.arange(n) >= held)
     if bad.any() and oversize == "raise":
         k = int(np.argmax(bad))
         c = SampleCost(int(t[k]), int(p[k]), int(m[k]))
@@ -185,15 +250,24 @@ def plan_window(batch: dict[str, np.ndarray], *, budget: Budget, tokens: str = "
                                                                                         [c.images])))
     good = np.flatnonzero(~bad)
     groups: list[list[int]] = []
-    if len(good):
-        from ray_mmbatch.dataflow.stages import window_seed
-
-        plan = plan_batches_arrays(t[good], p[good], m[good], budget, seed=window_seed(seed, 0, key),
-                                   algorithm=algorithm)
+    plan_seed = window_seed(seed, 0, key)
+    if planner is not None:
+        new = good[good >= held]
+        groups = planner.feed(new.tolist(), t[new], p[new], m[new], seed=plan_seed) if len(new) else []
+        if flush:
+            groups += planner.flush(seed=plan_seed)
+    elif len(good):
+        plan = plan_batches_arrays(t[good], p[good], m[good], budget, seed=plan_seed, algorithm=algorithm)
         groups = [good[g].tolist() for g in plan]
-    n_fit = len(groups)
     groups += [[int(k)] for k in np.flatnonzero(bad)]
-    text_cols = _text_columns(batch, t, ids) if text else None
+    return _batch_rows(batch, groups, int(bad.sum()), key, t, p, m, ids, budget, carried, out, text,
+                       has_p, has_m, pad_id)
+
+
+def _batch_rows(batch, groups, n_flagged, key, t, p, m, ids, budget, carried, out, text, has_p, has_m, pad_id):
+    """The output rows of ``groups`` (row indices into ``batch``; the last ``n_flagged`` are oversize rows)."""
+    n_fit = len(groups) - n_flagged
+    text_cols = _text_columns(batch, t, ids) if text and groups else None
     for j, g in enumerate(groups):
         idx = np.asarray(g, dtype=np.int64)
         for c in carried:
