@@ -80,6 +80,11 @@ class TextConfig:
     (<|im_start|>role ... <|im_end|>, the built-in model's format)."""
     image_token: str = "<|image_pad|>"
     """The token an image slot expands to (one per image token); a checkpoint sets its own (LLaVA: <image>)."""
+    image_block: tuple[str, ...] = ()
+    """(token, text): the checkpoint's processor writes ``text`` in place of each ``token`` its chat template
+    writes for an image, ``text`` holding ``image_token`` once, where the image's tokens go (Gemma 3:
+    ('<start_of_image>', '\\n\\n<start_of_image><image_soft_token><end_of_image>\\n\\n')). Replaced in the
+    render before tokenizing, so the ids are the processor's. Empty: the template writes ``image_token``."""
 
 
 @dataclass

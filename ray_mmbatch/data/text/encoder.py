@@ -8,6 +8,10 @@ OFF (``DataEncoder``): special tokens come only from the format, never from data
 the template's own tokenization for benign text. Every image has ONE image token
 (materialize expands it to the image's token count).
 
+With ``TextConfig.image_block`` (Gemma 3) the template's per-image token becomes the processor's text
+block in every render before it is split (template.render_messages), so newlines around the
+block merge with the template's as in the processor's ids.
+
 Cost: ONE fast-tokenizer call (Rust, batched, deduplicated) over every text stretch of
 every sample in the batch, then numpy per sample. Figures (plain vs template, cold vs
 warm caches): benchmarks/RESULTS.md "Text encoding" (benchmarks/bench_text.py).
@@ -36,6 +40,7 @@ from ray_mmbatch.data.text.template import (
     bos_ids,
     render_messages,
     template_pieces,
+    template_trims,
 )
 from ray_mmbatch.data.text.tokenizer import load_tokenizer, special_ids, token_id, uses_template
 
@@ -59,7 +64,7 @@ def image_token_id(tok, text_cfg) -> int:
         if want != uses_template(tok):
             raise ValueError(f"tokenizer loaded for the {'template' if uses_template(tok) else 'plain'} format, "
                              f"text.chat_template={chat_template!r} asks for the other: use tokenizer_for(text)")
-    return _encoder(tok, text_cfg.image_token).image_id
+    return _encoder(tok, text_cfg.image_token, tuple(getattr(text_cfg, "image_block", ()))).image_id
 
 
 def _image_id(tok, token: str) -> int:
@@ -77,13 +82,17 @@ class DataEncoder:
     in data; non-special added tokens (e.g. Qwen's ``<think>``) match as the tokenizer does.
     """
 
-    def __init__(self, tok, image_token: str):
+    def __init__(self, tok, image_token: str, image_block: tuple[str, ...] = ()):
         from tokenizers import Tokenizer
 
         self.image_token, self.image_id = image_token, _image_id(tok, image_token)
+        if image_block and (len(image_block) != 2 or image_block[1].count(image_token) != 1):
+            raise ValueError(f"text.image_block must be (token, text) with text.image_token {image_token!r} once "
+                             f"in the text, got {image_block!r}")
+        self.image_block = tuple(image_block)
         spec = json.loads(tok.backend_tokenizer.to_str())
         for t in spec.get("added_tokens") or []:
-            if t["content"] == image_token or t["content"] in S.SPECIAL_TOKENS:
+            if t["content"] in (image_token, *self.image_block[:1]) or t["content"] in S.SPECIAL_TOKENS:
                 t["special"] = True
         spec["post_processor"] = None  # no BOS/EOS per piece, offsets untrimmed
         self.core = Tokenizer.from_str(json.dumps(spec))
@@ -100,6 +109,7 @@ class DataEncoder:
             self.tok = weakref.proxy(tok)
             self.added = added_token_pattern(tok)
             self.bos = bos_ids(tok)
+            self.trims = template_trims(tok)
             self.newline = [int(i) for i in self.core.encode("\n", add_special_tokens=False).ids]
             self.after_newline = self._text_after_added_token_needs_newline(tok)
             self.shapes: dict[tuple, Any] = {}
@@ -130,22 +140,24 @@ class DataEncoder:
 _ENCODERS: weakref.WeakKeyDictionary[Any, dict[str, DataEncoder]] = weakref.WeakKeyDictionary()
 
 
-def _encoder(tok, image_token: str) -> DataEncoder:
+def _encoder(tok, image_token: str, image_block: tuple[str, ...] = ()) -> DataEncoder:
     per_tok = _ENCODERS.setdefault(tok, {})
-    enc = per_tok.get(image_token)
+    key = (image_token, *image_block)
+    enc = per_tok.get(key)
     if enc is None:
-        enc = per_tok[image_token] = DataEncoder(tok, image_token)
+        enc = per_tok[key] = DataEncoder(tok, image_token, image_block)
         if enc.template:
             try:
-                _check_template(tok, image_token)
+                _check_template(tok, image_token, image_block)
             except Exception:
-                del per_tok[image_token]
+                del per_tok[key]
                 raise
     return enc
 
 
 def encode_conversations(convs: list, n_images: list[int], tok, train_on_prompt: bool = False,
-                         image_token: str = S.IMAGE_PAD) -> list[tuple[np.ndarray, np.ndarray] | TextSkip]:
+                         image_token: str = S.IMAGE_PAD,
+                         image_block: tuple[str, ...] = ()) -> list[tuple[np.ndarray, np.ndarray] | TextSkip]:
     """Per sample: (ids int32[N], target uint8[N]) with ONE image_token per image, or the TextSkip why not.
 
     The format (template or plain) is the one ``tok`` was loaded for (load_tokenizer).
@@ -154,7 +166,7 @@ def encode_conversations(convs: list, n_images: list[int], tok, train_on_prompt:
     per-sample work is numpy over those indices (lengths, leak check, target mask) plus
     one concatenate; the special-token leak check is one ``np.isin`` for the whole batch.
     """
-    enc = _encoder(tok, image_token)
+    enc = _encoder(tok, image_token, tuple(image_block))
     results: list[Any] = [None] * len(convs)
     plans: dict[int, list] = {}
     table_index: dict[str | int, int] = {}  # text stretch (str) or token id (int) -> table row
@@ -228,17 +240,17 @@ def _encode_table(keys: list, enc: DataEncoder):
     return table, starts
 
 
-def _check_template(tok, image_token: str) -> None:
+def _check_template(tok, image_token: str, image_block: tuple[str, ...] = ()) -> None:
     """Once per (tokenizer, image token): one image gives one image token, and ids match ``tok(render)``."""
     conv = [{"role": "user", "content": "<image>\nWhat is in the picture?"},
             {"role": "assistant", "content": "A red circle."}]
-    (result,) = encode_conversations([conv], [1], tok, image_token=image_token)
+    (result,) = encode_conversations([conv], [1], tok, image_token=image_token, image_block=image_block)
     if isinstance(result, TextSkip):
         raise ChatTemplateError(f"chat template cannot render a one-image question and answer: {result.detail}")
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]},
                 {"role": "assistant", "content": [{"type": "text", "text": "A red circle."}]}]
-    own = tok(render_messages(tok, messages, False), add_special_tokens=False).input_ids
-    enc = _encoder(tok, image_token)
+    own = tok(render_messages(tok, messages, False, image_block), add_special_tokens=False).input_ids
+    enc = _encoder(tok, image_token, image_block)
     if enc.bos and own[:len(enc.bos)] != enc.bos:
         own = enc.bos + own
     if list(result[0]) != list(own):

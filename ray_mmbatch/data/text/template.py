@@ -8,7 +8,11 @@ which encodes it with special-token matching OFF -- exactly how the tokenizer wo
 ``tok(render)`` itself. Assistant turns are targets: each one's span runs from the end of
 ``render(messages[:i], add_generation_prompt=True)`` to the end of
 ``render(messages[:i+1])`` less trailing whitespace (answer + end-of-turn tokens); a token
-is a target when it starts in a span.
+is a target when it starts in a span. Where the checkpoint's processor writes a block of text
+for each image the template writes (``TextConfig.image_block``, Gemma 3's blank lines and
+begin / end tokens), every render has it in place before anything is split, so the ids are
+the processor's. Where the template trims a role's text parts (Gemma 3's ``| trim``), the data
+texts are trimmed the same way (``template_trims``).
 
 Renders depend only on a conversation's *shape* (roles, image/text parts; sentinels stand
 for text), so the layout is cached per shape and the prefix renders per shape prefix (a
@@ -45,6 +49,9 @@ class ChatTemplateError(ValueError):
 def template_pieces(turns: list[tuple[str, str]], has_images: bool, train_on_prompt: bool, enc: DataEncoder):
     """Same contract as plain.plain_pieces; a text stretch's target is an int or (char ends, flags) when mixed."""
     shape, texts = _shape(turns, has_images)
+    if enc.trims:  # the template trims these roles' texts: the data must give the ids it gives
+        roles = [role for role, sig in shape for p in sig if p == "t"]
+        texts = [_trim(t, enc.trims.get(r)) for t, r in zip(texts, roles)]
     layout = enc.shapes.get(shape)
     if layout is None:
         if len(enc.shapes) >= _MAX_SHAPES:
@@ -96,8 +103,41 @@ def _shape(turns: list[tuple[str, str]], has_images: bool) -> tuple[tuple, list[
     return tuple(shape), texts
 
 
-def render_messages(tok, messages: list, generation_prompt: bool) -> str:
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def render_messages(tok, messages: list, generation_prompt: bool, image_block: tuple[str, ...] = ()) -> str:
+    """The chat template's render; with ``image_block`` (token, text) each ``token`` becomes ``text``."""
+    out = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return out.replace(image_block[0], image_block[1]) if image_block else out
+
+
+def template_trims(tok) -> dict[str, tuple[bool, bool]]:
+    """{role: (strips the left, strips the right)} for the roles whose text parts the template trims.
+
+    One render of a user and an assistant text surrounded by whitespace; a template that
+    cannot render it trims nothing (its own errors surface when conversations are laid out).
+    """
+    from jinja2 import TemplateError
+
+    pad = " \n"
+    messages = [{"role": role, "content": [{"type": "text", "text": f"{pad}\ue000{k}\ue001{pad}"}]}
+                for k, role in enumerate((USER, ASSISTANT))]
+    try:
+        out = render_messages(tok, messages, False)
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError):
+        return {}
+    trims = {}
+    for k, role in enumerate((USER, ASSISTANT)):
+        core = f"\ue000{k}\ue001"
+        if core not in out or f"{pad}{core}{pad}" in out:
+            continue
+        trims[role] = (f"{pad}{core}" not in out, f"{core}{pad}" not in out)
+    return trims
+
+
+def _trim(text: str, trim: tuple[bool, bool] | None) -> str:
+    if not trim:
+        return text
+    left, right = trim
+    return text.strip() if left and right else text.lstrip() if left else text.rstrip() if right else text
 
 
 def _layout(enc: DataEncoder, shape: tuple):
@@ -202,7 +242,8 @@ class Prefix:
     def render(self, enc: DataEncoder, messages: list, generation_prompt: bool) -> str:
         out = self.renders.get(generation_prompt)
         if out is None:
-            out = self.renders[generation_prompt] = render_messages(enc.tok, messages, generation_prompt)
+            out = render_messages(enc.tok, messages, generation_prompt, enc.image_block)
+            self.renders[generation_prompt] = out
             enc.prefix_chars += len(out)
         return out
 
