@@ -48,9 +48,15 @@ class ImageConfig:
     """'smart' (Qwen-VL dynamic resolution: sides multiples of patch_size*merge_size within min/max_pixels,
     exactly as the HF Qwen2-VL processor) or 'fixed' (LLaVA / CLIP: shortest edge to image_size, centre crop
     to image_size x image_size; a fixed number of image tokens) or 'fixed_pad' (LLaVA do_pad: pad to a square
-    of the mean colour first, then as 'fixed')."""
+    of the mean colour first, then as 'fixed') or 'tiles' (InternVL: min_tiles..max_tiles image_size tiles in the
+    grid closest to the image's aspect, plus a thumbnail tile when more than one, as HF's GotOcr2 processor)."""
     image_size: int = 336
-    """resize='fixed': side of the square image the vision tower sees (pixels)."""
+    """resize='fixed' / 'tiles': side of the square image (tile) the vision tower sees (pixels)."""
+    min_tiles: int = 1
+    """resize='tiles': fewest tiles an image is cut into (the thumbnail not counted; HF ``min_patches``)."""
+    max_tiles: int = 12
+    """resize='tiles': most tiles an image is cut into (the thumbnail not counted; HF ``max_patches``): bounds
+    the image tokens per image at (max_tiles + 1) x tokens per tile."""
     max_aspect: float = 200.0
     """Images whose long side over short side exceeds this are skipped (extreme_aspect); HF Qwen-VL refuses > 200."""
     fast_decode: bool = flag("--fast-decode", False)

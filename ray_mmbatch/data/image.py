@@ -5,8 +5,12 @@ processor (PIL backend) sees after its own resize / crop, so ``models.hf_common.
 gives HF's ``pixel_values`` (tests/test_image_hf.py, atol 1e-5): resize='smart' is Qwen2-VL's
 ``smart_resize`` (Qwen2.5-VL and Qwen3-VL use the same processor; Qwen3-VL with patch 16),
 'fixed' is CLIP / LLaVA-1.5 (shortest edge to image_size, centre crop), 'fixed_pad' is LLaVA
-with ``do_pad`` (pad to a square of the mean colour first). Decoding is Pillow's, EXIF
-orientation applied (as HF's ``load_image`` does), then HF's ``convert_to_rgb`` (alpha and
+with ``do_pad`` (pad to a square of the mean colour first), 'tiles' is InternVL's dynamic tiling
+(HF ``GotOcr2ImageProcessor`` with ``crop_to_patches``: the cols x rows grid of image_size tiles
+whose aspect is closest to the image's, min_tiles..max_tiles of them, plus a thumbnail tile when
+more than one; the tiles are stacked top to bottom, so the grid is (1, n_tiles * S/ps, S/ps)).
+Decoding is Pillow's, EXIF orientation applied (as HF's ``load_image`` does), then HF's
+``convert_to_rgb`` (alpha and
 transparency keys composited on white; 16-bit / float greys clipped at 255 by Pillow, as in
 HF), then PIL bicubic on uint8 with no ``reducing_gap``. Where we differ, deliberately:
 aspect ratios above ``max_aspect`` (HF Qwen-VL: 200) are skipped (extreme_aspect) in every
@@ -55,8 +59,9 @@ from ray_mmbatch.data.errors import SampleSkip
 _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 # Pillow names multi-picture camera JPEGs "MPO"; they are JPEGs for every purpose here.
 _FORMAT_ALIASES = {"MPO": "JPEG"}
-# ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad.
-RESIZE_MODES = ("smart", "fixed", "fixed_pad")
+# ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad;
+# InternVL's tiles (see tile_canvas).
+RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles")
 _FIXED_MODES = frozenset({"fixed", "fixed_pad"})
 # PNG chunks that can carry EXIF / XMP orientation (Pillow reads those after IDAT only on load()).
 _PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")
@@ -180,6 +185,35 @@ def shortest_edge_resize(height: int, width: int, size: int) -> tuple[int, int]:
     return (new_long, new_short) if width <= height else (new_short, new_long)
 
 
+def tile_canvas(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:
+    """(cols, rows) of image_size tiles for resize='tiles': HF ``get_optimal_tiled_canvas``, formula for formula.
+
+    The arrangement with min_tiles <= cols * rows <= max_tiles whose cols / rows is closest to
+    width / height; on a tie the one with more tiles while the image covers more than half of
+    its area. max_tiles 1 gives (1, 1) (HF resizes to one tile without tiling then).
+    """
+    lo, hi = cfg.min_tiles, cfg.max_tiles
+    if hi <= 1:
+        return 1, 1
+    arrangements = sorted(((c, r) for c in range(1, hi + 1) for r in range(1, hi + 1) if lo <= c * r <= hi),
+                          key=lambda g: g[0] * g[1])
+    side, aspect, area = cfg.image_size, width / height, width * height
+    best, best_diff = (1, 1), float("inf")
+    for cols, rows in arrangements:
+        diff = abs(aspect - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and area > 0.5 * side * side * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+def n_tiles(height: int, width: int, cfg: ImageConfig) -> int:
+    """Tiles the vision tower sees for resize='tiles': cols * rows, plus the thumbnail when that is above 1."""
+    cols, rows = tile_canvas(height, width, cfg)
+    return 1 if cols * rows == 1 else cols * rows + 1
+
+
 def image_grid(height: int, width: int, cfg: ImageConfig) -> tuple[int, int, int]:
     """(t, gh, gw) in patches for an image of this displayed size (HF's ``image_grid_thw``; t == 1)."""
     _check_aspect(height, width, cfg)
@@ -194,6 +228,10 @@ def image_grid(height: int, width: int, cfg: ImageConfig) -> tuple[int, int, int
             raise ImageSkip(S.SKIP_DECOMPRESSION_BOMB, f"{width}x{height} padded to a square is over "
                                                        f"max_header_pixels={cfg.max_header_pixels}")
         return 1, cfg.image_size // ps, cfg.image_size // ps
+    if cfg.resize == "tiles":
+        if cfg.image_size % ps:
+            raise ValueError(f"image_size {cfg.image_size} is not a multiple of patch_size {ps}")
+        return 1, n_tiles(height, width, cfg) * (cfg.image_size // ps), cfg.image_size // ps
     raise ValueError(f"unknown resize {cfg.resize!r}; expected one of {RESIZE_MODES}")
 
 
@@ -249,6 +287,9 @@ def _load(data: bytes, cfg: ImageConfig, draft_hw=None) -> tuple[Image.Image, tu
 
 def _target_hw(full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConfig) -> tuple[int, int]:
     """Size the (padded) image is resized to: the grid's for 'smart', the shortest-edge size for the fixed modes."""
+    if cfg.resize == "tiles":
+        cols, rows = tile_canvas(*full_hw, cfg)
+        return rows * cfg.image_size, cols * cfg.image_size
     if cfg.resize not in _FIXED_MODES:
         return out_hw
     h, w = full_hw
@@ -277,6 +318,8 @@ def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
         img, full_hw = _load(data, cfg)
     if cfg.resize == "fixed_pad":
         img = _pad_to_square(_rgb_or_skip(img), cfg.image_mean)
+    if cfg.resize == "tiles":
+        return _tiles(_rgb_or_skip(img), full_hw, out_hw, cfg)
     size_hw = _target_hw(full_hw, out_hw, cfg)
     wh = (size_hw[1], size_hw[0])
     gap = 3.0 if cfg.fast_decode else None
@@ -292,6 +335,22 @@ def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
         top, left = (size_hw[0] - out_hw[0]) // 2, (size_hw[1] - out_hw[1]) // 2
         out = out[top:top + out_hw[0], left:left + out_hw[1]]
     return out
+
+
+def _tiles(rgb: Image.Image, full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConfig) -> np.ndarray:
+    """HF GotOcr2 ``crop_image_to_patches``: bicubic to cols x rows tiles, split row-major, then the whole
+    image bicubic to one tile (the thumbnail) when there is more than one; stacked top to bottom."""
+    side, gap = cfg.image_size, (3.0 if cfg.fast_decode else None)
+    cols, rows = tile_canvas(*full_hw, cfg)
+    n = 1 if cols * rows == 1 else cols * rows + 1
+    if out_hw != (n * side, side):
+        raise ValueError(f"grid of {out_hw[0]}x{out_hw[1]} px is not the {n} tiles of {side} px this image makes")
+    canvas = rgb.resize((cols * side, rows * side), Image.Resampling.BICUBIC, reducing_gap=gap)
+    a = np.asarray(canvas, dtype=np.uint8).reshape(rows, side, cols, side, 3).transpose(0, 2, 1, 3, 4)
+    tiles = [a.reshape(rows * cols * side, side, 3)]
+    if n > 1:
+        tiles.append(np.asarray(rgb.resize((side, side), Image.Resampling.BICUBIC, reducing_gap=gap), dtype=np.uint8))
+    return np.ascontiguousarray(np.concatenate(tiles)) if n > 1 else tiles[0]
 
 
 def _rgb_or_skip(img: Image.Image) -> Image.Image:

@@ -155,6 +155,28 @@ def normalize_patches(patches: torch.Tensor, mean, std, temporal: int = 1) -> to
     return x.reshape(p, -1)
 
 
+def varlen_kwargs(batch: dict, hf_config) -> dict[str, Any]:
+    """A packed row's explicit varlen metadata for HF flash attention, {} where it does not apply.
+
+    Pack batches on an attention implementation with "flash" in its name (transformers' own test,
+    ``is_flash_attention_requested``; ``hf_config`` is the language model's config) get
+    ``cu_seq_lens_q/k`` (collate's int32 ``cu_seqlens``, on the row's device) and
+    ``max_length_q/k`` (collate's ``max_seqlen``, a Python int: no device sync). transformers'
+    ``_flash_attention_forward`` then runs varlen on them instead of inferring the boundaries from
+    position ids (``_is_packed_sequence``, which broke in several releases). Mask-based
+    implementations (sdpa, eager, flex) keep taking the boundaries from position ids. A backend
+    adds these to its base-model kwargs; they reach the language model's attention calls only.
+    """
+    impl = str(getattr(hf_config, "_attn_implementation", "") or "")
+    if batch.get("mode") != "pack" or "flash" not in impl:
+        return {}
+    cu = batch["cu_seqlens"]
+    cu = cu.to(device=batch["input_ids"].device, dtype=torch.int32) if isinstance(cu, torch.Tensor) else \
+        torch.as_tensor(cu, dtype=torch.int32, device=batch["input_ids"].device)
+    longest = int(batch["max_seqlen"])
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+
+
 class HFModel(nn.Module):
     """A transformers VLM with the project's forward contract (see module docstring).
 
