@@ -12,7 +12,8 @@ more than one; the tiles are stacked top to bottom, so the grid is (1, n_tiles *
 Decoding is Pillow's, EXIF orientation applied (as HF's ``load_image`` does), then HF's
 ``convert_to_rgb`` (alpha and
 transparency keys composited on white; 16-bit / float greys clipped at 255 by Pillow, as in
-HF), then PIL bicubic on uint8 with no ``reducing_gap``. Where we differ, deliberately:
+HF), then PIL bicubic (bilinear for 'squash', Gemma 3's plain resize to image_size x image_size:
+aspect not kept, nothing cropped) on uint8 with no ``reducing_gap``. Where we differ, deliberately:
 aspect ratios above ``max_aspect`` (HF Qwen-VL: 200) are skipped (extreme_aspect) in every
 mode, also 'fixed' where HF would crop the middle; an unreadable EXIF block counts as upright.
 HF itself is not one thing here: its processors given an already-opened PIL image apply no
@@ -62,7 +63,9 @@ _FORMAT_ALIASES = {"MPO": "JPEG"}
 # ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad;
 # InternVL's tiles (see tile_canvas).
 RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles")
-_FIXED_MODES = frozenset({"fixed", "fixed_pad"})
+_FIXED_MODES = frozenset({"fixed", "fixed_pad", "squash"})
+# 'squash' (Gemma 3 / SigLIP): a plain bilinear resize to image_size x image_size, aspect not kept, no crop.
+RESIZE_MODES = (*RESIZE_MODES, "squash")
 # PNG chunks that can carry EXIF / XMP orientation (Pillow reads those after IDAT only on load()).
 _PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")
 
@@ -292,6 +295,8 @@ def _target_hw(full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConf
         return rows * cfg.image_size, cols * cfg.image_size
     if cfg.resize not in _FIXED_MODES:
         return out_hw
+    if cfg.resize == "squash":
+        return cfg.image_size, cfg.image_size
     h, w = full_hw
     if cfg.resize == "fixed_pad":
         h = w = max(h, w)
@@ -301,8 +306,9 @@ def _target_hw(full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConf
 def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
     """Decode -> EXIF transpose -> RGB -> resize (-> crop) to ``grid_thw`` -> uint8 [gh*ps, gw*ps, 3].
 
-    resize='smart': bicubic to the grid's size. 'fixed': shortest edge to image_size, centre
-    crop; 'fixed_pad' first pads to a square of the mean colour (LLaVA ``do_pad``). Only
+    resize='smart': bicubic to the grid's size; 'squash': bilinear to image_size x image_size.
+    'fixed': shortest edge to image_size, centre crop; 'fixed_pad' first pads to a square of the
+    mean colour (LLaVA ``do_pad``). Only
     ``cfg.allowed_formats`` are opened. Broken pixel data raises ImageSkip(corrupt_image);
     truncated files are never accepted. Unless ``cfg.fast_decode``, the pixels are those of
     the HF image processor (PIL backend) given the EXIF-transposed image.
@@ -323,13 +329,14 @@ def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
     size_hw = _target_hw(full_hw, out_hw, cfg)
     wh = (size_hw[1], size_hw[0])
     gap = 3.0 if cfg.fast_decode else None
+    resample = Image.Resampling.BILINEAR if cfg.resize == "squash" else Image.Resampling.BICUBIC
     if img.mode == "L" and img.info.get("transparency") is None and img.size != wh:
         # Grey pages (documents) are the biggest images: resizing one band, then replicating it,
         # gives the same bytes as convert-then-resize (resampling is per band) at ~1/3 the work.
-        img = img.resize(wh, Image.Resampling.BICUBIC, reducing_gap=gap)
+        img = img.resize(wh, resample, reducing_gap=gap)
     rgb = _rgb_or_skip(img)
     if rgb.size != wh:
-        rgb = rgb.resize(wh, Image.Resampling.BICUBIC, reducing_gap=gap)
+        rgb = rgb.resize(wh, resample, reducing_gap=gap)
     out = np.asarray(rgb, dtype=np.uint8)
     if fixed:  # HF center_crop: top-left corner at ((H - S) // 2, (W - S) // 2); the resize never undershoots S
         top, left = (size_hw[0] - out_hw[0]) // 2, (size_hw[1] - out_hw[1]) // 2

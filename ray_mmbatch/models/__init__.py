@@ -39,6 +39,7 @@ REGISTRY: dict[str, str] = {
     "builtin": "ray_mmbatch.models.builtin",
     "qwen_vl": "ray_mmbatch.models.qwen_vl",
     "llava": "ray_mmbatch.models.llava",
+    "gemma3": "ray_mmbatch.models.gemma3",
     "internvl": "ray_mmbatch.models.internvl",
 }
 

@@ -1,0 +1,294 @@
+"""Gemma 3 backend (``Gemma3ForConditionalGeneration``): a fixed number of tokens per image, image
+blocks attending bidirectionally, sliding-window layers; packed rows get explicit per-layer masks.
+
+Cost model: every image is resized to S x S (a plain bilinear resize, the aspect not kept,
+nothing cropped: HF's Gemma 3 image processor; data/image.py resize='squash'), a (1, S/ps, S/ps)
+patch grid that the projector average-pools k x k into ``mm_tokens_per_image`` LM tokens, so the
+data path's merge_size is k (896 px, 14-px patches, 64 x 64 -> 16 x 16 = 256 tokens in real
+checkpoints). Text: the chat template writes ``<start_of_image>`` per image and the processor
+replaces it with ``"\\n\\n<start_of_image>" + <image_soft_token> x N + "<end_of_image>\\n\\n"``:
+``configure`` sets ``text.image_block`` so the data path does the same in every render before
+tokenizing (the blank lines merge with the template's newlines), and materialize repeats the
+soft token N times. Pan-and-scan (extra crops, extra text) is refused: the token count per image
+would depend on the aspect ratio and the data path has no crops.
+
+Attention. Text is causal; the soft tokens of one image attend to each other both ways (HF:
+``token_type_ids`` -> block ids -> OR(causal, same block)); sliding layers AND a window
+``kv > q - W`` over that. Packed row of a: text (3) and b: text, one 2-token image, text::
+
+    input_ids    a0 a1 a2 | b0 <boi> I  I  <eoi> b1
+    position_ids  0  1  2 |  0   1   2  3   4    5     restart per sample (RoPE only)
+    token_type    0  0  0 |  0   0   1  1   0    0     travels with the row (block ids)
+
+    full_attention mask (1 = may attend)    sliding_attention: the same AND kv > q - W
+              a0 a1 a2 b0 bo I  I  eo b1
+        a0  [  1  .  .  .  .  .  .  .  . ]
+        a1  [  1  1  .  .  .  .  .  .  . ]
+        a2  [  1  1  1  .  .  .  .  .  . ]
+        b0  [  .  .  .  1  .  .  .  .  . ]
+        bo  [  .  .  .  1  1  .  .  .  . ]
+        I   [  .  .  .  1  1  1  1  .  . ]   <- the image block sees itself, both ways
+        I   [  .  .  .  1  1  1  1  .  . ]
+        eo  [  .  .  .  1  1  1  1  1  . ]
+        b1  [  .  .  .  1  1  1  1  1  1 ]
+
+HF's own packing from position ids is not exact here (transformers 5.25): on the sliding layers
+it looks the block ids up by per-sample position, so image blocks of different samples at the
+same positions see each other. So pack batches pass ``attention_mask`` as a dict keyed by layer
+type, built with transformers' own ``create_causal_mask`` (so each attention implementation
+gets its own format: sdpa a bool mask, eager an additive one, flex a BlockMask) from index
+functions over the whole row: OR(causal, same image block) AND same sample (AND the window on
+sliding layers) -- what HF builds for each sample alone, shifted to its offset. Pad batches
+take HF's own path: ``attention_mask`` [B, L] + ``token_type_ids``. flash_attention_2 is refused:
+HF does not support it for Gemma 3 (the bidirectional image mask; head_dim 256 in real
+checkpoints), so there are no varlen kwargs to pass; 'auto' means sdpa.
+
+Cost: one [1, 1, T, T] mask per layer type per pack batch (two; T = 16k is 256 MB each as bool:
+what HF's sdpa path builds for a packed row too); pixels are un-patchified on the device.
+Importing this module imports no torch (the registry imports every backend to read MODEL_TYPES).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ray_mmbatch.models import hf_fsdp_units, hf_state_prefix
+
+NAME = "gemma3"
+MODEL_TYPES: tuple[str, ...] = ("gemma3",)
+
+_BILINEAR = 2  # PIL.Image.Resampling.BILINEAR: Gemma3ImageProcessor's resample
+_MEAN = _STD = (0.5, 0.5, 0.5)  # Gemma3ImageProcessor's defaults (IMAGENET_STANDARD_*)
+_NO_FLASH = ("Gemma 3 does not run on flash_attention_2 (transformers refuses it: flash-attention drops the "
+             "bidirectional image-block mask, and real checkpoints have head_dim 256); use sdpa, eager or "
+             "flex_attention (model.attn_implementation)")
+
+
+def _pixel_settings(pre: dict, where: str) -> dict:
+    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    if not pre:
+        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
+                                "the Gemma 3 backend takes its pixel settings from it")
+    if pre.get("do_pan_and_scan"):
+        raise ValueError(f"{where}: do_pan_and_scan=true is not supported: pan-and-scan adds crops and text per "
+                         "image by its aspect ratio, which the data path's fixed cost model does not make")
+    for key in ("do_resize", "do_rescale", "do_convert_rgb"):
+        if pre.get(key) is False:
+            raise ValueError(f"{where}: {key}=false; the data path always does it")
+    size = pre.get("size") or {"height": 224, "width": 224}
+    if not (isinstance(size, dict) and size.get("height") and size.get("height") == size.get("width")):
+        raise ValueError(f"{where}: size {size!r} is not a square {{'height': S, 'width': S}} (Gemma 3's resize)")
+    if int(pre.get("resample", _BILINEAR)) != _BILINEAR:
+        raise ValueError(f"{where}: resample={pre.get('resample')}; only bilinear (2) matches the data path's "
+                         "resize='squash'")
+    if not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
+        raise ValueError(f"{where}: pixels must be rescaled by 1/255 (rescale_factor)")
+    mean, std = pre.get("image_mean", _MEAN), pre.get("image_std", _STD)
+    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(mean)
+    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(std)
+    if pre.get("do_normalize") is False:
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    return {"image_size": int(size["height"]), "image_mean": mean, "image_std": std}
+
+
+def _pool_kernel(vision, tokens_per_image: int, where: str) -> int:
+    """k of the projector's k x k average pool: (S/ps / k)**2 == mm_tokens_per_image (HF Gemma3MultiModalProjector)."""
+    if vision.image_size % vision.patch_size:
+        raise ValueError(f"{where}: image size {vision.image_size} is not a multiple of patch_size {vision.patch_size}")
+    side = vision.image_size // vision.patch_size
+    per_side = math.isqrt(tokens_per_image)
+    if per_side * per_side != tokens_per_image or side % per_side:
+        raise ValueError(f"{where}: mm_tokens_per_image={tokens_per_image} is not a square that divides the "
+                         f"{side} x {side} patch grid")
+    return side // per_side
+
+
+def _token(tok, token_id: int, what: str, path: str) -> str:
+    token = tok.convert_ids_to_tokens(int(token_id))
+    if token is None or tok.convert_tokens_to_ids(token) != int(token_id):
+        raise ValueError(f"{path}: config.json {what} {token_id} is not a token of the tokenizer")
+    return str(token)
+
+
+def configure(cfg):
+    """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
+    from transformers import AutoConfig
+
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
+    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files, read_json
+
+    path = cfg.model.path
+    if not path:
+        raise ValueError("the gemma3 backend trains a Hugging Face checkpoint: set model.path")
+    raw, processor = checkpoint_files(path)
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not Gemma 3 ({list(MODEL_TYPES)})")
+    hf_cfg = AutoConfig.from_pretrained(path)
+    where_model, where_proc = f"{path}/config.json", f"{path} image processor"
+    if getattr(hf_cfg.text_config, "use_bidirectional_attention", False):
+        raise ValueError(f"{where_model}: text_config.use_bidirectional_attention=true (an encoder, not a causal "
+                         "LM) is not supported")
+    vision, n_tokens = hf_cfg.vision_config, int(hf_cfg.mm_tokens_per_image)
+    pixels = _pixel_settings(processor, where_proc)
+    if pixels["image_size"] != vision.image_size:
+        raise ValueError(f"{path}: the processor resizes to {pixels['image_size']} px but the vision tower takes "
+                         f"{vision.image_size} px (vision_config.image_size)")
+    kernel = _pool_kernel(vision, n_tokens, where_model)
+    seq_len = read_json(Path(path) / "processor_config.json").get("image_seq_length", processor.get("image_seq_length"))
+    if seq_len is not None and int(seq_len) != n_tokens:
+        raise ValueError(f"{path}: the processor writes image_seq_length={seq_len} tokens per image but the "
+                         f"model makes mm_tokens_per_image={n_tokens}")
+
+    adopt_setting(cfg, "image.resize", "squash", f"{where_proc} (Gemma 3: plain resize to a square)")
+    adopt_setting(cfg, "image.image_size", int(vision.image_size), f"{where_model} vision_config.image_size")
+    adopt_setting(cfg, "image.patch_size", int(vision.patch_size), f"{where_model} vision_config.patch_size")
+    adopt_setting(cfg, "image.merge_size", kernel, f"{where_model} (Gemma 3: {kernel}x{kernel} average pool "
+                                                   f"to mm_tokens_per_image={n_tokens})")
+    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (Gemma 3: still images)")
+    for key in ("image_mean", "image_std"):
+        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
+    if not cfg.text.tokenizer:
+        cfg.text.tokenizer = path
+    tok = load_tokenizer(cfg.text.tokenizer)
+    image = _token(tok, hf_cfg.image_token_index, "image_token_index", path)
+    boi = _token(tok, hf_cfg.boi_token_index, "boi_token_index", path)
+    eoi = _token(tok, hf_cfg.eoi_token_index, "eoi_token_index", path)
+    source = f"{path} tokenizer, config.json image / boi / eoi token ids"
+    adopt_setting(cfg, "text.image_token", image, source)
+    # HF Gemma3Processor.full_image_sequence, with the soft token once (materialize repeats it)
+    adopt_setting(cfg, "text.image_block", (boi, f"\n\n{boi}{image}{eoi}\n\n"), f"{source} (Gemma3Processor)")
+    return cfg
+
+
+# ------------------------------------------------------------------ model
+def pixel_values(patches, side: int, patch_size: int, merge: int, mean, std):
+    """uint8 patches of (1, g, g) grids in merge-window order (data/image.patchify) -> float32 [n, 3, side, side]."""
+    from ray_mmbatch.models.hf_common import normalize_patches
+
+    g, m = side // patch_size, merge
+    x = normalize_patches(patches, mean, std)  # [n*g*g, 3*ps*ps], each row (c, py, px)
+    n = x.shape[0] // (g * g)
+    # (image, block row, block col, row in block, col in block, c, py, px) -> (image, c, y, x)
+    x = x.view(n, g // m, g // m, m, m, 3, patch_size, patch_size).permute(0, 5, 1, 3, 6, 2, 4, 7)
+    return x.reshape(n, 3, side, side)
+
+
+class Gemma3Adapter:
+    """batch (collate layout, tensors) -> kwargs of ``Gemma3Model.forward`` (module docstring)."""
+
+    def __init__(self, hf_model, image_cfg):
+        self.hf = hf_model
+        self.text_config = hf_model.config.get_text_config()
+        self.image_token_id = int(hf_model.config.image_token_id)
+        self.side, self.ps, self.merge = int(image_cfg.image_size), int(image_cfg.patch_size), int(image_cfg.merge_size)
+        self.mean, self.std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
+
+    def __call__(self, batch: dict) -> dict:
+        ids = batch["input_ids"]
+        token_type_ids = (ids == self.image_token_id).long()
+        kwargs = {"input_ids": ids, "position_ids": batch["position_ids"], "token_type_ids": token_type_ids}
+        if batch["mode"] == "pad":
+            kwargs["attention_mask"] = batch["attention_mask"]
+        elif batch["mode"] == "pack":
+            kwargs["attention_mask"] = self.packed_masks(batch, token_type_ids)
+        else:
+            raise ValueError(f"unknown batch mode {batch['mode']!r}")
+        patches = batch.get("patches")
+        if patches is not None and patches.shape[0]:
+            g = self.side // self.ps
+            grids = batch["image_grid_thw"].reshape(-1, 3)
+            if not bool((grids == grids.new_tensor([1, g, g])).all()):
+                raise ValueError(f"Gemma 3 takes {self.side}x{self.side} images, grid (1, {g}, {g}); the batch has "
+                                 f"grids {grids.unique(dim=0).tolist()} (was the data measured with "
+                                 "image.resize='squash'?)")
+            x = pixel_values(patches, self.side, self.ps, self.merge, self.mean, self.std)
+            kwargs["pixel_values"] = x.to(self.hf.model.vision_tower.dtype)
+        return kwargs
+
+    def packed_masks(self, batch: dict, token_type_ids) -> dict:
+        """{layer type: mask} of one packed row: OR(causal, same image block) AND same sample (AND the window)."""
+        import torch
+        from transformers.masking_utils import (
+            and_masks,
+            blockwise_overlay,
+            create_causal_mask,
+            packed_sequence_mask_function,
+            sliding_window_overlay,
+        )
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+        ids = batch["input_ids"]
+        lens = torch.as_tensor(batch["seq_lens"], device=ids.device).long()
+        sample = torch.repeat_interleave(torch.arange(len(lens), device=ids.device), lens)[None]
+        blocks = get_block_sequence_ids_for_mask(token_type_ids, device=ids.device)  # unique over the row
+        dtype = self.hf.get_input_embeddings().weight.dtype  # what HF's own path builds its mask for
+        shape_only = torch.empty((1, ids.shape[1], 1), dtype=dtype, device=ids.device)
+        same_sample = packed_sequence_mask_function(sample)
+
+        def mask(*extra):
+            return create_causal_mask(config=self.text_config, inputs_embeds=shape_only, attention_mask=None,
+                                      cache=None, position_ids=None, or_mask_function=blockwise_overlay(blocks),
+                                      and_mask_function=and_masks(same_sample, *extra))
+
+        out = {"full_attention": mask()}
+        if self.text_config.sliding_window is not None:
+            out["sliding_attention"] = mask(sliding_window_overlay(self.text_config.sliding_window))
+        return out
+
+
+def _vision_modules(hf_model) -> list:
+    return [hf_model.model.vision_tower, hf_model.model.multi_modal_projector]
+
+
+def vision_modules(model) -> list:
+    """The vision tower and projector of the HFModel: a batch without images does not run them."""
+    return _vision_modules(model.hf_model)
+
+
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family
+fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
+
+
+def freeze_unused_vision(hf_model) -> int:
+    """requires_grad=False on SigLIP's pooling head (``vision_use_head``: Gemma 3 reads last_hidden_state, so the
+    head never reaches the loss and DDP would see unused weights); returns the number of frozen weights."""
+    tower = hf_model.model.vision_tower
+    head = getattr(getattr(tower, "vision_model", tower), "head", None)
+    n = 0
+    for p in head.parameters() if head is not None else ():
+        p.requires_grad_(False)
+        n += p.numel()
+    return n
+
+
+def create_model(cfg, ids: dict):
+    """The checkpoint in fp32 wrapped in HFModel with the Gemma 3 adapter; tokenizer ids checked against it."""
+    import torch
+
+    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
+
+    impl = cfg.model.attn_implementation
+    if "flash" in impl:
+        raise ValueError(f"model.attn_implementation={impl!r}: {_NO_FLASH}")
+    device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
+    hf = load_hf_model(cfg.model.path, "sdpa" if impl == "auto" else impl, device_type)
+    check_token_ids(hf, ids, "use the checkpoint's tokenizer and its own chat template (text.chat_template="
+                             "'auto'), which adds no token; see configure")
+    kernel = _pool_kernel(hf.config.vision_config, int(hf.config.mm_tokens_per_image), cfg.model.path)
+    want = {"resize": "squash", "image_size": hf.config.vision_config.image_size,
+            "patch_size": hf.config.vision_config.patch_size, "merge_size": kernel}
+    for key, value in want.items():
+        if getattr(cfg.image, key) != value:
+            raise ValueError(f"image.{key} is {getattr(cfg.image, key)!r} but the model's is {value!r}: "
+                             "call configure(cfg) before create_model")
+    freeze_unused_vision(hf)
+    if cfg.model.gradient_checkpointing:
+        enable_activation_checkpointing(hf)
+    return HFModel(hf, Gemma3Adapter(hf, cfg.image), _vision_modules, NAME)
+
+
+def export(model, cfg, directory, state_dict=None) -> Path:
+    """save_pretrained of model + tokenizer, the checkpoint's processor files copied (hf_common.export_hf)."""
+    from ray_mmbatch.models.hf_common import export_hf
+
+    return export_hf(model, cfg, directory, state_dict)
