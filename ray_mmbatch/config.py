@@ -49,9 +49,10 @@ class ImageConfig:
     exactly as the HF Qwen2-VL processor) or 'fixed' (LLaVA / CLIP: shortest edge to image_size, centre crop
     to image_size x image_size; a fixed number of image tokens) or 'fixed_pad' (LLaVA do_pad: pad to a square
     of the mean colour first, then as 'fixed') or 'tiles' (InternVL: min_tiles..max_tiles image_size tiles in the
-    grid closest to the image's aspect, plus a thumbnail tile when more than one, as HF's GotOcr2 processor)."""
+    grid closest to the image's aspect, plus a thumbnail tile when more than one, as HF's GotOcr2 processor)
+    or 'squash' (Gemma 3: a plain bilinear resize to image_size x image_size, the aspect not kept, no crop)."""
     image_size: int = 336
-    """resize='fixed' / 'tiles': side of the square image (tile) the vision tower sees (pixels)."""
+    """resize='fixed' / 'squash' / 'tiles': side of the square image (tile) the vision tower sees (pixels)."""
     min_tiles: int = 1
     """resize='tiles': fewest tiles an image is cut into (the thumbnail not counted; HF ``min_patches``)."""
     max_tiles: int = 12

@@ -61,11 +61,9 @@ _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 # Pillow names multi-picture camera JPEGs "MPO"; they are JPEGs for every purpose here.
 _FORMAT_ALIASES = {"MPO": "JPEG"}
 # ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad;
-# InternVL's tiles (see tile_canvas).
-RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles")
+# InternVL's tiles (see tile_canvas); Gemma 3's plain bilinear resize to the square (aspect not kept, no crop).
+RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles", "squash")
 _FIXED_MODES = frozenset({"fixed", "fixed_pad", "squash"})
-# 'squash' (Gemma 3 / SigLIP): a plain bilinear resize to image_size x image_size, aspect not kept, no crop.
-RESIZE_MODES = (*RESIZE_MODES, "squash")
 # PNG chunks that can carry EXIF / XMP orientation (Pillow reads those after IDAT only on load()).
 _PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")
 
