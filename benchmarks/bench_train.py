@@ -38,6 +38,10 @@ tests/hf_checkpoints.make_qwen_checkpoint for the tokenizer, template and proces
 model widened to text 256 x 4 layers, vision 128 x 2 blocks: 6.19 M parameters, 0.94 M of them
 vision; pixel bounds 4..256 merged tokens per image, the built-in default, so the samples match
 the built-in run's). ``--attention`` is then the HF attn_implementation (sdpa / eager).
+``internvl-tiny`` builds a random InternVL the same way (``tiny_internvl_checkpoint``:
+tests/hf_internvl_checkpoint.make_internvl_checkpoint with the same text model as the tiny
+Qwen2-VL, a Qwen2 LM 256 x 4 layers, InternViT 128 x 2 layers, 224-px tiles of 64 tokens, up to
+6 tiles + thumbnail per image, i.e. 64..448 tokens per image).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -76,6 +80,7 @@ from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_st
 FIXED_BATCH_SIZE = 32
 WARMUP_STEPS = 2
 TINY_QWEN = "qwen2_vl-tiny"
+TINY_INTERNVL = "internvl-tiny"
 # the tiny Qwen2-VL's shape: wide enough that a CPU step is dominated by the model, not Python
 TINY_TEXT = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 32768}
@@ -125,6 +130,22 @@ def tiny_qwen_checkpoint(directory: str, seed: int = 0) -> str:
     return directory
 
 
+def tiny_internvl_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random InternVL checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_internvl_checkpoint import make_internvl_checkpoint
+
+    make_internvl_checkpoint(directory, initializer_range=0.02, seed=seed, tile=224, max_patches=6,
+                             text=TINY_TEXT, vision={"hidden_size": 128, "intermediate_size": 512,
+                                                     "num_hidden_layers": 2, "num_attention_heads": 4})
+    return directory
+
+
+TINY_CHECKPOINTS = {TINY_QWEN: tiny_qwen_checkpoint, TINY_INTERNVL: tiny_internvl_checkpoint}
+
+
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
     """(cfg, tokenizer, token ids, make_model() -> fresh model, description) for --model."""
     cfg = Config()
@@ -140,7 +161,8 @@ def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
     from ray_mmbatch.hf import config_from_checkpoint, load_model
     from ray_mmbatch.models import token_ids
 
-    path = tiny_qwen_checkpoint(os.path.join(tmp, "model"), args.seed) if args.model == TINY_QWEN else args.model
+    build = TINY_CHECKPOINTS.get(args.model)
+    path = build(os.path.join(tmp, "model"), args.seed) if build else args.model
     cfg.model.attn_implementation = args.attention
     config_from_checkpoint(path, cfg)
     return cfg, load_tokenizer(cfg.text.tokenizer), token_ids(cfg), lambda: load_model(path, cfg), \
@@ -302,8 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=8192, help="token budget of pack and pad mode")
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} (a random Qwen2-VL built in a "
-                   "temp dir, see the module header); default: the built-in model")
+    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} (a random "
+                   "Qwen2-VL / InternVL built in a temp dir, see the module header); default: the built-in model")
     p.add_argument("--attention", default="sdpa",
                    help="ModelConfig.attention (built-in) or ModelConfig.attn_implementation (--model: sdpa, eager)")
     p.add_argument("--strategies", default="pack,pad,fixed32",

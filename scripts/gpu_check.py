@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU checks for ray_mmbatch, run whenever a GPU machine is lent (scripts/gpu_check.sh drives it).
 
-    python scripts/gpu_check.py prepare DIR   # CPU side: tiny Qwen2-VL checkpoint + planned batches
+    python scripts/gpu_check.py prepare DIR   # CPU side: tiny Qwen2-VL + InternVL checkpoints, planned batches
     python scripts/gpu_check.py run DIR       # GPU side: needs torch + transformers, not Ray
 
 ``prepare`` builds a tiny random Qwen2-VL checkpoint (tests/hf_checkpoints.py) and writes the
@@ -14,7 +14,10 @@ side needs neither Ray nor the dataset. ``run`` then does, on cuda:0:
 2. bf16 training of the tiny Qwen2-VL for 20 steps on the packed batches, flash_attention_2
    when flash_attn is installed (else sdpa): real tokens/s and peak GPU memory;
 3. verify_packing in bf16 (tolerance 0.05 nats per token: bf16 rounding alone moved CE by
-   2e-3 on CPU) and in fp32 with TF32 off (tolerance 1e-4), pack and pad.
+   2e-3 on CPU) and in fp32 with TF32 off (tolerance 1e-4), pack and pad;
+4. a tiny InternVL (tests/hf_internvl_checkpoint.py, DIR/internvl): bf16 training for 20 steps
+   and verify_packing in bf16, pack and pad (on flash_attention_2 its packed rows carry the
+   explicit cu_seq_lens / max_length kwargs, hf_common.varlen_kwargs).
 
 It prints one JSON object per check and a final summary; exit 1 if any check fails.
 """
@@ -36,18 +39,21 @@ def prepare(out: Path) -> None:
     from ray_mmbatch.hf import config_from_checkpoint
     from ray_mmbatch.synthetic.generate import generate_dataset
     from tests.hf_checkpoints import make_qwen_checkpoint
+    from tests.hf_internvl_checkpoint import make_internvl_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
-    ck = make_qwen_checkpoint(out / "ckpt", "qwen2_vl", initializer_range=0.02)
     generate_dataset(str(out / "data"), 240, "parquet", seed=1, shard_size=120)
-    for mode in ("pack", "pad"):
-        cfg = config_from_checkpoint(str(ck))
-        cfg.data.path, cfg.budget.mode, cfg.budget.max_tokens = str(out / "data"), mode, 4096
-        (out / mode).mkdir(exist_ok=True)
-        for i, batch in enumerate(local_batches(cfg, limit=24)):
-            batch.pop("batch_id", None)
-            (out / mode / f"{i:03d}.mmb").write_bytes(encode_batch(batch))
-    print(json.dumps({"prepared": str(out), "checkpoint": str(ck)}))
+    cks = [make_qwen_checkpoint(out / "ckpt", "qwen2_vl", initializer_range=0.02),
+           make_internvl_checkpoint(out / "internvl" / "ckpt", initializer_range=0.02)]
+    for ck in cks:
+        for mode in ("pack", "pad"):
+            cfg = config_from_checkpoint(str(ck))
+            cfg.data.path, cfg.budget.mode, cfg.budget.max_tokens = str(out / "data"), mode, 4096
+            (ck.parent / mode).mkdir(exist_ok=True)
+            for i, batch in enumerate(local_batches(cfg, limit=24)):
+                batch.pop("batch_id", None)
+                (ck.parent / mode / f"{i:03d}.mmb").write_bytes(encode_batch(batch))
+    print(json.dumps({"prepared": str(out), "checkpoints": [str(ck) for ck in cks]}))
 
 
 def _batches(d: Path, mode: str) -> list[dict]:
@@ -136,7 +142,7 @@ def check_train(d: Path, steps: int = 20, device: str = "cuda:0") -> dict:
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
 
 
-def check_verify(d: Path, device: str = "cuda:0") -> list[dict]:
+def check_verify(d: Path, device: str = "cuda:0", precisions=("bf16", "fp32"), name: str = "") -> list[dict]:
     import torch
 
     from ray_mmbatch.models import token_ids
@@ -145,11 +151,11 @@ def check_verify(d: Path, device: str = "cuda:0") -> list[dict]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False  # Qwen's patch embedding is a Conv3d
     out = []
-    for precision in ("bf16", "fp32"):
+    for precision in precisions:
         cfg, model = _model(d / "ckpt", device)
         for mode in ("pack", "pad"):
             r = verify(model, _batches(d, mode)[:6], token_ids(cfg)["pad_id"], device, precision)
-            out.append({"check": f"verify_{precision}_{mode}", **r})
+            out.append({"check": f"{name}verify_{precision}_{mode}", **r})
     return out
 
 
@@ -161,6 +167,11 @@ def run(d: Path) -> int:
         return 1
     t0 = time.time()
     results = [check_nccl(d), check_train(d), *check_verify(d)]
+    if (d / "internvl" / "ckpt").is_dir():  # bf16 only: fp32 exactness is tests/test_models_internvl.py's
+        results += [{**check_train(d / "internvl"), "check": "internvl_train_bf16"},
+                    *check_verify(d / "internvl", precisions=("bf16",), name="internvl_")]
+    else:
+        results.append({"check": "internvl", "ok": False, "error": f"{d}/internvl not prepared: rerun prepare"})
     for r in results:
         print(json.dumps(r))
     summary = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks (NCCL smoke, bf16 training of a tiny Qwen2-VL, verify_packing in bf16 and fp32).
+# GPU checks (NCCL smoke, bf16 training of a tiny Qwen2-VL, verify_packing in bf16 and fp32; a tiny InternVL:
+# bf16 training and verify_packing in bf16).
 #
 #   bash scripts/gpu_check.sh [DIR]
 #
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 DIR=${1:-runs/gpu_check}
 PY=python3
 [ -x .venv/bin/python ] && PY=.venv/bin/python
-if [ ! -d "$DIR/ckpt" ]; then
+if [ ! -d "$DIR/ckpt" ] || [ ! -d "$DIR/internvl/ckpt" ]; then
   "$PY" scripts/gpu_check.py prepare "$DIR"
 fi
 nvidia-smi -L || true

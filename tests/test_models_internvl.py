@@ -454,3 +454,21 @@ def test_registry_finds_the_backend(ckpt):
 
     assert backend_name(ModelConfig(path=str(ckpt))) == "internvl"
 
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_verify_packing_job_through_the_data_path(ckpt, tmp_path_factory, mode, capsys):
+    """jobs/verify_packing.py on generated data (its image sizes and conversations): exact, and real packs."""
+    import jobs.verify_packing as job
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    data = tmp_path_factory.getbasetemp() / "internvl_verify_data"
+    if not data.exists():
+        generate_dataset(str(data), 24, "parquet", seed=5, shard_size=24)
+    rc = job.main(["--model", str(ckpt), "--data", str(data), "--mode", mode, "--max-tokens", "1024",
+                   "--batches", "2", "--device", "cpu"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0, report
+    assert report["ok"] and report["batches"] == 2 and report["max_abs_diff"] < TOL
+    if mode == "pack":
+        assert report["samples"] > 2
