@@ -103,8 +103,10 @@ def _tokenizer(directory: Path):
 
 
 def make_gemma3_checkpoint(directory, initializer_range: float = 0.2, seed: int = 0, image_size: int = 56,
-                           image_processor: dict | None = None) -> Path:
-    """Write the checkpoint into ``directory`` and return it; ``image_processor`` overrides processor fields."""
+                           patch: int = PATCH, tokens_per_image: int = TOKENS_PER_IMAGE, text: dict | None = None,
+                           vision: dict | None = None, image_processor: dict | None = None) -> Path:
+    """Write the checkpoint into ``directory`` and return it; ``text`` / ``vision`` / ``image_processor``
+    override fields of the text config, the vision config and the image processor (benchmarks widen it)."""
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -114,14 +116,16 @@ def make_gemma3_checkpoint(directory, initializer_range: float = 0.2, seed: int 
     tok = _tokenizer(d)
     ids = {name: tok.convert_tokens_to_ids(t) for name, t in _NAMED.items()}
 
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                image_size=image_size, patch_size=PATCH, vision_use_head=False)
-    text = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                            sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"],
-                            max_position_embeddings=1024, initializer_range=initializer_range,
-                            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
+    vision_kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                     image_size=image_size, patch_size=patch, vision_use_head=False)
+    text_kw = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                   sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"],
+                   max_position_embeddings=1024, initializer_range=initializer_range,
+                   pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    vision_cfg = SiglipVisionConfig(**{**vision_kw, **(vision or {})})
+    text_cfg = Gemma3TextConfig(**{**text_kw, **(text or {})})
+    config = Gemma3Config(text_config=text_cfg, vision_config=vision_cfg, mm_tokens_per_image=tokens_per_image,
                           boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
                           image_token_index=ids["image_token"], initializer_range=initializer_range)
     torch.manual_seed(seed)
@@ -135,5 +139,5 @@ def make_gemma3_checkpoint(directory, initializer_range: float = 0.2, seed: int 
     processor_kw.update(image_processor or {})
     Gemma3ImageProcessorPil(**processor_kw).save_pretrained(d)
     (d / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma3Processor",
-                                                          "image_seq_length": TOKENS_PER_IMAGE}, indent=2))
+                                                          "image_seq_length": tokens_per_image}, indent=2))
     return d
