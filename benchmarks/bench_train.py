@@ -42,6 +42,10 @@ the built-in run's). ``--attention`` is then the HF attn_implementation (sdpa / 
 tests/hf_internvl_checkpoint.make_internvl_checkpoint with the same text model as the tiny
 Qwen2-VL, a Qwen2 LM 256 x 4 layers, InternViT 128 x 2 layers, 224-px tiles of 64 tokens, up to
 6 tiles + thumbnail per image, i.e. 64..448 tokens per image).
+``gemma3-tiny`` builds a random Gemma 3 (``tiny_gemma3_checkpoint``: tests/hf_gemma3_checkpoint
+with a Gemma 3 text model 256 x 4 layers (head_dim 64; three sliding-window layers of 512
+tokens, one global), SigLIP 128 x 2 layers at 224 px in 14-px patches pooled 2 x 2 to 64 tokens
+per image, whatever its size; sdpa with explicit per-layer masks in pack mode).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -81,6 +85,7 @@ FIXED_BATCH_SIZE = 32
 WARMUP_STEPS = 2
 TINY_QWEN = "qwen2_vl-tiny"
 TINY_INTERNVL = "internvl-tiny"
+TINY_GEMMA3 = "gemma3-tiny"
 # the tiny Qwen2-VL's shape: wide enough that a CPU step is dominated by the model, not Python
 TINY_TEXT = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 32768}
@@ -143,7 +148,23 @@ def tiny_internvl_checkpoint(directory: str, seed: int = 0) -> str:
     return directory
 
 
-TINY_CHECKPOINTS = {TINY_QWEN: tiny_qwen_checkpoint, TINY_INTERNVL: tiny_internvl_checkpoint}
+def tiny_gemma3_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random Gemma 3 checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
+
+    text = {**TINY_TEXT, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    make_gemma3_checkpoint(directory, initializer_range=0.02, seed=seed, image_size=224, patch=14, tokens_per_image=64,
+                           text=text, vision={"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
+                                              "num_attention_heads": 4})
+    return directory
+
+
+TINY_CHECKPOINTS = {TINY_QWEN: tiny_qwen_checkpoint, TINY_INTERNVL: tiny_internvl_checkpoint,
+                    TINY_GEMMA3: tiny_gemma3_checkpoint}
 
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
@@ -324,8 +345,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=8192, help="token budget of pack and pad mode")
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} (a random "
-                   "Qwen2-VL / InternVL built in a temp dir, see the module header); default: the built-in model")
+    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} "
+                   "(a random Qwen2-VL / InternVL / Gemma 3 built in a temp dir, see the module header); default: the "
+                   "built-in model")
     p.add_argument("--attention", default="sdpa",
                    help="ModelConfig.attention (built-in) or ModelConfig.attn_implementation (--model: sdpa, eager)")
     p.add_argument("--strategies", default="pack,pad,fixed32",

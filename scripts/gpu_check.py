@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU checks for ray_mmbatch, run whenever a GPU machine is lent (scripts/gpu_check.sh drives it).
 
-    python scripts/gpu_check.py prepare DIR   # CPU side: tiny Qwen2-VL + InternVL checkpoints, planned batches
+    python scripts/gpu_check.py prepare DIR   # CPU side: tiny Qwen2-VL, InternVL, Gemma 3 checkpoints, batches
     python scripts/gpu_check.py run DIR       # GPU side: needs torch + transformers, not Ray
 
 ``prepare`` builds a tiny random Qwen2-VL checkpoint (tests/hf_checkpoints.py) and writes the
@@ -17,7 +17,9 @@ side needs neither Ray nor the dataset. ``run`` then does, on cuda:0:
    2e-3 on CPU) and in fp32 with TF32 off (tolerance 1e-4), pack and pad;
 4. a tiny InternVL (tests/hf_internvl_checkpoint.py, DIR/internvl): bf16 training for 20 steps
    and verify_packing in bf16, pack and pad (on flash_attention_2 its packed rows carry the
-   explicit cu_seq_lens / max_length kwargs, hf_common.varlen_kwargs).
+   explicit cu_seq_lens / max_length kwargs, hf_common.varlen_kwargs);
+5. a tiny Gemma 3 (tests/hf_gemma3_checkpoint.py, DIR/gemma3; sdpa, its packed rows carry explicit
+   per-layer masks, flash-attention is refused for it): the same as 4.
 
 It prints one JSON object per check and a final summary; exit 1 if any check fails.
 """
@@ -39,12 +41,15 @@ def prepare(out: Path) -> None:
     from ray_mmbatch.hf import config_from_checkpoint
     from ray_mmbatch.synthetic.generate import generate_dataset
     from tests.hf_checkpoints import make_qwen_checkpoint
+    from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
     from tests.hf_internvl_checkpoint import make_internvl_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
     generate_dataset(str(out / "data"), 240, "parquet", seed=1, shard_size=120)
     cks = [make_qwen_checkpoint(out / "ckpt", "qwen2_vl", initializer_range=0.02),
-           make_internvl_checkpoint(out / "internvl" / "ckpt", initializer_range=0.02)]
+           make_internvl_checkpoint(out / "internvl" / "ckpt", initializer_range=0.02),
+           make_gemma3_checkpoint(out / "gemma3" / "ckpt", initializer_range=0.02, image_size=224, patch=14,
+                                  tokens_per_image=64)]
     for ck in cks:
         for mode in ("pack", "pad"):
             cfg = config_from_checkpoint(str(ck))
@@ -118,7 +123,6 @@ def check_nccl(d: Path) -> dict:
 def check_train(d: Path, steps: int = 20, device: str = "cuda:0") -> dict:
     import torch
 
-    from ray_mmbatch.models.hf_common import resolve_attn_implementation
     from ray_mmbatch.train.step import build_optimizer, optimizer_step
 
     device = torch.device(device)
@@ -137,7 +141,7 @@ def check_train(d: Path, steps: int = 20, device: str = "cuda:0") -> dict:
             real += m["real_tokens"]
             t_steps += m["time_s"]
     return {"check": "train_bf16", "ok": all(x == x for x in losses) and losses[-1] < losses[0],
-            "attn": resolve_attn_implementation("auto", device.type), "steps": steps,
+            "attn": model.hf_model.config.get_text_config()._attn_implementation, "steps": steps,
             "loss_first_last": [losses[0], losses[-1]], "tokens_per_s": real / max(t_steps, 1e-9),
             "peak_mem_mb": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None}
 
@@ -172,6 +176,11 @@ def run(d: Path) -> int:
                     *check_verify(d / "internvl", precisions=("bf16",), name="internvl_")]
     else:
         results.append({"check": "internvl", "ok": False, "error": f"{d}/internvl not prepared: rerun prepare"})
+    if (d / "gemma3" / "ckpt").is_dir():
+        results += [{**check_train(d / "gemma3"), "check": "gemma3_train_bf16"},
+                    *check_verify(d / "gemma3", precisions=("bf16",), name="gemma3_")]
+    else:
+        results.append({"check": "gemma3", "ok": False, "error": f"{d}/gemma3 not prepared: rerun prepare"})
     for r in results:
         print(json.dumps(r))
     summary = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU checks (NCCL smoke, bf16 training of a tiny Qwen2-VL, verify_packing in bf16 and fp32; a tiny InternVL:
-# bf16 training and verify_packing in bf16).
+# GPU checks (NCCL smoke, bf16 training of a tiny Qwen2-VL, verify_packing in bf16 and fp32; a tiny InternVL
+# and a tiny Gemma 3: bf16 training and verify_packing in bf16).
 #
 #   bash scripts/gpu_check.sh [DIR]
 #
