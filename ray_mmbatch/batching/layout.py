@@ -17,7 +17,9 @@ from ray_mmbatch.schema import IGNORE_INDEX
 def zero_target(batch: dict[str, Any]) -> dict[str, Any]:
     """A copy of a batch that contributes no loss and no gradient (for a rank that ran dry)."""
     b = dict(batch)
-    b["labels"] = np.full_like(batch["labels"], IGNORE_INDEX)
+    labels = batch["labels"]  # numpy, or torch (same type back: a Trainer's batches are on the device)
+    b["labels"] = labels.new_full(labels.shape, IGNORE_INDEX) if hasattr(labels, "new_full") else \
+        np.full_like(labels, IGNORE_INDEX)
     b["target_tokens"] = 0
     b["real_tokens"] = 0  # it trains nothing: no sample is in it
     b["sample_ids"] = []
