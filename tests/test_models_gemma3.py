@@ -187,6 +187,11 @@ def test_ids_token_types_and_pixels_equal_the_processor(model, built, tok):
             assert "pixel_values" not in ours
     n = [int((s["input_ids"] == model.hf_model.config.image_token_id).sum()) for s in samples]
     assert n == [TOKENS_PER_IMAGE * len(images) for _, _, images in SPECS]
+    # the blank lines before the image merged with the template's newline into one token: expanding the
+    # template's <start_of_image> token by token (instead of in the text) would not give the processor's ids
+    ids = samples[0]["input_ids"].tolist()
+    boi = ids.index(model.hf_model.config.boi_token_id)
+    assert tok.decode(ids[boi - 1:boi]) == "\n\n\n"
 
 
 # ------------------------------------------------------------------ exactness
