@@ -472,3 +472,14 @@ def test_verify_packing_job_through_the_data_path(ckpt, tmp_path_factory, mode, 
     assert report["ok"] and report["batches"] == 2 and report["max_abs_diff"] < TOL
     if mode == "pack":
         assert report["samples"] > 2
+
+
+def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
+    from ray_mmbatch.models import backend_of
+
+    assert backend_of(model) is internvl
+    units = internvl.fsdp_units(model)
+    assert [type(u).__name__ for u in units] == ["Qwen2DecoderLayer"] * 2
+    vision = {id(m) for v in internvl.vision_modules(model) for m in v.modules()}
+    assert id(model.hf_model.model.vision_tower.encoder.layer[0]) in vision
+    assert internvl.state_prefix(model) == "hf_model."
