@@ -21,8 +21,15 @@ records are passed over. ``target_normalizer`` is the loss normalizer across gra
 accumulation and ranks: the target tokens of this step's micro-batches summed over all ranks
 (train/step.py says why a per-micro-batch mean is wrong).
 
-Left to the built-in loop (train/loop.py): exactly-once resume of the data position, the skip
-guard, and the run folder's records.
+Exactly-once resume (``DataState``): the samples trained so far, all ranks, as the built-in
+loop keeps them (data/position.py: finished read units + rows done of units in flight, a few
+bytes a sample). Pass it to ``iter_batches(state=...)``, call ``state.save(checkpoint_dir)`` on
+every rank after the optimizer step (it gathers the ranks' new positions; rank 0 writes), and on
+restore ``DataState.load(checkpoint_dir)``: batches already trained are passed over, batches
+partly trained have those samples masked out of the loss (the rebuilt stream plans its own
+batches). ``datasets(cfg, state=...)`` also leaves the trained rows out of the read.
+
+Left to the built-in loop (train/loop.py): the skip guard and the run folder's records.
 """
 from __future__ import annotations
 
@@ -36,8 +43,65 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
 
 
-def datasets(cfg: Config, epochs: int | None = None) -> dict[str, Any]:
-    """The batch streams of ``cfg``, one per epoch (``TorchTrainer(datasets=...)``), named for ``iter_batches``."""
+class DataState:
+    """Which samples this run has trained, all ranks (exactly-once resume; module docstring).
+
+    ``DataState(saved)`` from a ``state_dict()``; ``save(dir)`` / ``DataState.load(dir)`` keep it
+    as ``data_state.json`` in a checkpoint directory."""
+
+    FILE = "data_state.json"
+
+    def __init__(self, state: dict[str, Any] | None = None):
+        from ray_mmbatch.data.position import DataPosition
+
+        self.position = DataPosition.from_state(state)
+        self._new: list[tuple[int, np.ndarray, np.ndarray]] = []  # this rank's, since the last state_dict
+
+    def add(self, epoch: int, positions, unit_rows) -> None:
+        pos, rows = np.asarray(positions, np.int64), np.asarray(unit_rows, np.int64)
+        if len(pos):
+            self.position.add(epoch, pos, rows)
+            self._new.append((int(epoch), pos, rows))
+
+    def trained(self, epoch: int, positions) -> np.ndarray:
+        """Per position: already trained (in the restored state or by this rank since)."""
+        return self.position.contains(epoch, np.asarray(positions, np.int64))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position of every rank (a collective under torch.distributed: call it on every rank)."""
+        from ray_mmbatch.train.loop import all_gather_lists
+
+        mine, self._new = self._new, []
+        for epoch, pos, rows in all_gather_lists(mine):
+            self.position.add(epoch, pos, rows)  # our own again: adding a position twice changes nothing
+        return self.position.state_dict()
+
+    def save(self, directory) -> dict[str, Any]:
+        """Every rank calls it (it gathers, as ``state_dict``); rank 0 writes ``data_state.json`` into
+        ``directory`` (its checkpoint directory). Returns the state."""
+        import json
+        from pathlib import Path
+
+        import torch.distributed as dist
+
+        state = self.state_dict()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            (Path(directory) / self.FILE).write_text(json.dumps(state))
+        return state
+
+    @classmethod
+    def load(cls, directory) -> DataState:
+        """The state saved in ``directory`` (a fresh one if it holds none)."""
+        import json
+        from pathlib import Path
+
+        f = Path(directory) / cls.FILE
+        return cls(json.loads(f.read_text())) if f.is_file() else cls()
+
+
+def datasets(cfg: Config, epochs: int | None = None, state: DataState | dict | None = None) -> dict[str, Any]:
+    """The batch streams of ``cfg``, one per epoch (``TorchTrainer(datasets=...)``), named for ``iter_batches``;
+    ``state``: a resumed run's DataState (or its state_dict): the rows it trained are not read again."""
     from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
     from ray_mmbatch.models import configure, token_ids
 
@@ -45,7 +109,8 @@ def datasets(cfg: Config, epochs: int | None = None) -> dict[str, Any]:
     set_deterministic(cfg.train.deterministic)
     pad_id = token_ids(cfg)["pad_id"]
     n = epochs if epochs is not None else max(1, cfg.train.epochs)
-    return {S.epoch_dataset_name(e): batch_dataset(cfg, pad_id, epoch=e) for e in range(n)}
+    position = state.position.state_dict() if isinstance(state, DataState) else state
+    return {S.epoch_dataset_name(e): batch_dataset(cfg, pad_id, position=position, epoch=e) for e in range(n)}
 
 
 def data_config(preserve_order: bool = False):
@@ -59,20 +124,48 @@ def data_config(preserve_order: bool = False):
     return LosslessDataConfig(execution_options=options)
 
 
-def _any_rank(flag: bool, device) -> bool:
+def _any_rank(flag: bool, patch_dim: int, device) -> tuple[bool, int]:
+    """(any rank has a batch, the largest patch dim any rank has seen): one all-reduce."""
     from ray_mmbatch.train.step import all_reduce
 
-    return all_reduce([float(flag)], device, op="max")[0] > 0
+    has, dim = all_reduce([float(flag), float(patch_dim)], device, op="max")
+    return has > 0, int(dim)
 
 
-def iter_batches(epoch: int = 0, device=None, lockstep: bool = True,
-                 stall_timeout_s: float = 1800.0) -> Iterator[dict[str, Any]]:
+def _next_batch(rows, epoch: int, state: DataState | None) -> dict[str, Any] | None:
+    """The next row of this rank's stream that still holds samples to train, decoded; None at the end."""
+    from ray_mmbatch.batching.collate import decode_batch
+    from ray_mmbatch.batching.layout import mask_samples
+    from ray_mmbatch.data.errors import decode_skips
+
+    for row in rows:
+        if state is not None:  # a reported skip is done too: a resumed run does not report it again
+            records = decode_skips(row[S.BATCH_SKIPPED][0])
+            state.add(epoch, [r.position for r in records], [r.unit_rows for r in records])
+        if not int(row[S.BATCH_N_SAMPLES][0]):  # rows with only skip records carry no batch
+            continue
+        batch = decode_batch(bytes(row[S.BATCH_PAYLOAD][0]))
+        if state is not None:
+            pos = np.asarray(row[S.BATCH_POSITIONS][0], np.int64)
+            unit_rows = np.asarray(row[S.BATCH_POSITION_UNIT_ROWS][0], np.int64)
+            keep = ~state.trained(epoch, pos)
+            if not keep.any():
+                continue  # trained before the restore
+            if not keep.all():
+                batch = mask_samples(batch, keep)
+            state.add(epoch, pos[keep], unit_rows[keep])
+        return batch
+    return None
+
+
+def iter_batches(epoch: int = 0, device=None, lockstep: bool = True, stall_timeout_s: float = 1800.0,
+                 state: DataState | None = None) -> Iterator[dict[str, Any]]:
     """This worker's batches of epoch ``epoch`` as torch dicts on ``device`` (default: Ray Train's);
-    DataStalled (train/stall.py) when no batch comes for ``stall_timeout_s``."""
+    DataStalled (train/stall.py) when no batch comes for ``stall_timeout_s``. ``state``: a
+    DataState that records what is yielded and passes over what it already holds (resume)."""
     import ray.train
     import ray.train.torch
 
-    from ray_mmbatch.batching.collate import decode_batch
     from ray_mmbatch.batching.layout import filler_batch, zero_target
     from ray_mmbatch.models.inputs import batch_to_torch
     from ray_mmbatch.train.stall import guarded
@@ -82,19 +175,20 @@ def iter_batches(epoch: int = 0, device=None, lockstep: bool = True,
     # coordinator can then move on (a plain iterator here hung both ranks at the end of the stream)
     rows = guarded(ray.train.get_dataset_shard(S.epoch_dataset_name(epoch)).iter_batches(
         batch_size=1, batch_format="numpy", prefetch_batches=2), stall_timeout_s)
-    last = None
+    last, patch_dim = None, 0
     while True:
-        batch = None
-        for row in rows:
-            if int(row[S.BATCH_N_SAMPLES][0]):  # rows with only skip records carry no batch
-                batch = decode_batch(bytes(row[S.BATCH_PAYLOAD][0]))
-                break
-        if lockstep and not _any_rank(batch is not None, device):
-            return
-        if batch is None:
-            if not lockstep:
+        batch = _next_batch(rows, epoch, state)
+        if batch is not None:
+            patch_dim = int(np.asarray(batch["patches"]).shape[1])
+        if not lockstep:
+            if batch is None:
                 return
-            patch_dim = int(np.asarray(last["patches"]).shape[1]) if last is not None else 3 * 14 * 14
+        else:
+            has, patch_dim = _any_rank(batch is not None, patch_dim, device)
+            if not has:
+                return
+        if batch is None:  # ran dry: a step with no targets joins the others' gradient all-reduce
+            # a rank that never had a batch takes the patch size of the ranks that did (the model's)
             batch = zero_target(last if last is not None else filler_batch(patch_dim))
         else:
             last = batch
