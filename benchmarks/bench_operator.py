@@ -15,7 +15,11 @@ blocks. Passes, each timed from the first pull to the last batch consumed on the
 Reported: batches, rows per batch, fill, rows/s, and that every id came back exactly once.
 
     python benchmarks/bench_operator.py [--rows 20000] [--max-tokens 4096] [--window 2048]
-        [--mu 5.5] [--sigma 0.9] [--text] [--json PATH]
+        [--mu 5.5] [--sigma 0.9] [--text] [--carry F] [--json PATH]
+
+``bench_packing.py --operator-rows N`` runs this with ``--rows N`` (the 1 M-row figure).
+Ray 2.60 has no length bucketing of its own to compare with (``iter_bucket_batches`` is the
+open PR ray-project/ray#66053); only the fixed-size pass stands for Ray's batching.
 """
 from __future__ import annotations
 
@@ -64,8 +68,8 @@ def fixed_pass(ds) -> dict:
             "rows_per_s": n / wall, "exactly_once": None}
 
 
-def op_pass(ds, mode: str, args, n_rows: int) -> dict:
-    out = batch_by_token_budget(ds, mode=mode, max_tokens=args.max_tokens, window=args.window, seed=0)
+def op_pass(ds, mode: str, args, n_rows: int, carry: float = 0.0) -> dict:
+    out = batch_by_token_budget(ds, mode=mode, max_tokens=args.max_tokens, window=args.window, seed=0, carry=carry)
     t0 = time.perf_counter()
     ids, batches, real, padded = [], 0, 0, 0
     for b in out.iter_batches(batch_size=None, batch_format="numpy"):
@@ -75,7 +79,8 @@ def op_pass(ds, mode: str, args, n_rows: int) -> dict:
         ids.extend(x for members in b["id"] for x in members)
     wall = time.perf_counter() - t0
     once = len(ids) == n_rows and sorted(ids) == list(range(n_rows))
-    return {"pass": f"op {mode}", "batches": batches, "rows": len(ids), "fill": real / padded, "wall_s": wall,
+    name = f"op {mode}" + (f" carry {carry:g}" if carry else "")
+    return {"pass": name, "batches": batches, "rows": len(ids), "fill": real / padded, "wall_s": wall,
             "rows_per_s": len(ids) / wall, "exactly_once": once}
 
 
@@ -97,7 +102,7 @@ def local_pass(tables: list[pa.Table], mode: str, args) -> dict:
             "rows_per_s": rows / wall, "exactly_once": None}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=20_000)
     ap.add_argument("--blocks", type=int, default=10)
@@ -106,9 +111,11 @@ def main() -> None:
     ap.add_argument("--mu", type=float, default=5.5)
     ap.add_argument("--sigma", type=float, default=0.9)
     ap.add_argument("--text", action="store_true", help="rows carry input_ids (the operator collates)")
+    ap.add_argument("--carry", type=float, default=0.0,
+                    help="also run the op with this carry (one task plans the windows in order, see operator.py)")
     ap.add_argument("--num-cpus", type=int, default=4)
     ap.add_argument("--json", default="")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import ray
 
@@ -127,12 +134,14 @@ def main() -> None:
     for mode in ("pack", "pad"):
         op_pass(ds, mode, args, args.rows)  # warm: the worker processes start, the modules load
         results.append(op_pass(ds, mode, args, args.rows))
+        if args.carry:
+            results.append(op_pass(ds, mode, args, args.rows, carry=args.carry))
     for mode in ("pack", "pad"):
         results.append(local_pass(tables, mode, args))
-    print(f"{'pass':<16}{'batches':>8}{'rows/batch':>11}{'fill':>7}{'rows/s':>10}{'wall s':>8}  exactly once")
+    print(f"{'pass':<20}{'batches':>8}{'rows/batch':>11}{'fill':>7}{'rows/s':>10}{'wall s':>8}  exactly once")
     for r in results:
         once = "-" if r["exactly_once"] is None else str(r["exactly_once"])
-        print(f"{r['pass']:<16}{r['batches']:>8}{r['rows'] / r['batches']:>11.1f}{r['fill']:>7.3f}"
+        print(f"{r['pass']:<20}{r['batches']:>8}{r['rows'] / r['batches']:>11.1f}{r['fill']:>7.3f}"
               f"{r['rows_per_s']:>10.0f}{r['wall_s']:>8.2f}  {once}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

@@ -46,13 +46,21 @@ tokens exceed its text):
     15%    document        ~60   (5..600)           1 x ~1200 (400..1800)
      5%    text only       ~400  (50..3000)         0
 
+  (i) ``--operator-rows N`` (instead of a-h): ray_mmbatch.batch_by_token_budget on a plain
+      Ray Dataset of N text rows (id, input_ids) against ds.iter_batches(batch_size=32)
+      padded to the longest, with and without carry: benchmarks/bench_operator.py run as
+      ``--rows N --text --carry 0.1`` (flags after ``--`` go to it). Ray 2.60 has no length
+      bucketing of its own to compare with (ray-project/ray#66053 is an open PR).
+
     python benchmarks/bench_packing.py [--n 65536] [--json PATH]
+    python benchmarks/bench_packing.py --operator-rows 1000000 [-- --blocks 100]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
 import time
 
 import numpy as np
@@ -218,7 +226,18 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="")
     ap.add_argument("--speed-seconds", type=float, default=1.0)
-    args = ap.parse_args(argv)
+    ap.add_argument("--operator-rows", type=int, default=0,
+                    help="(i) instead: batch_by_token_budget on a plain Ray Dataset of this many text rows "
+                         "(bench_operator.py --text --carry 0.1; extra flags after -- go to it)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
+    if args.operator_rows:
+        import bench_operator
+
+        bench_operator.main(["--rows", str(args.operator_rows), "--text", "--carry", "0.1"]
+                            + (["--json", args.json] if args.json else []) + extra)
+        return
     tokens, patches, images = realistic_costs(args.n, args.seed)
     rows = []
     st, tr = _fixed_rows(tokens, 32)
