@@ -208,15 +208,9 @@ class Gemma3Adapter:
     def packed_masks(self, batch: dict, token_type_ids) -> dict:
         """{layer type: mask} of one packed row: OR(causal, same image block) AND same sample (AND the window)."""
         import torch
-        from transformers.masking_utils import (
-            and_masks,
-            blockwise_overlay,
-            create_causal_mask,
-            packed_sequence_mask_function,
-            sliding_window_overlay,
-        )
-        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
 
+        (and_masks, blockwise_overlay, create_causal_mask, packed_sequence_mask_function, sliding_window_overlay,
+         get_block_sequence_ids_for_mask) = _mask_api()
         ids = batch["input_ids"]
         lens = torch.as_tensor(batch["seq_lens"], device=ids.device).long()
         sample = torch.repeat_interleave(torch.arange(len(lens), device=ids.device), lens)[None]
@@ -234,6 +228,26 @@ class Gemma3Adapter:
         if self.text_config.sliding_window is not None:
             out["sliding_attention"] = mask(sliding_window_overlay(self.text_config.sliding_window))
         return out
+
+
+def _mask_api() -> tuple:
+    """The transformers mask builders the packed masks use (those of 5.25; an older release may lack them)."""
+    import transformers
+
+    try:
+        from transformers.masking_utils import (
+            and_masks,
+            blockwise_overlay,
+            create_causal_mask,
+            packed_sequence_mask_function,
+            sliding_window_overlay,
+        )
+        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+    except ImportError as e:
+        raise ImportError(f"the gemma3 backend builds packed masks with transformers' masking_utils (written for "
+                          f"5.25); transformers {transformers.__version__} lacks part of it: {e}") from None
+    return (and_masks, blockwise_overlay, create_causal_mask, packed_sequence_mask_function, sliding_window_overlay,
+            get_block_sequence_ids_for_mask)
 
 
 def _vision_modules(hf_model) -> list:
@@ -281,6 +295,7 @@ def create_model(cfg, ids: dict):
         if getattr(cfg.image, key) != value:
             raise ValueError(f"image.{key} is {getattr(cfg.image, key)!r} but the model's is {value!r}: "
                              "call configure(cfg) before create_model")
+    _mask_api()  # fail here, not at the first packed batch
     freeze_unused_vision(hf)
     if cfg.model.gradient_checkpointing:
         enable_activation_checkpointing(hf)
