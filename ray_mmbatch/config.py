@@ -151,6 +151,21 @@ class ModelConfig:
     """Rotary embedding base."""
     attention: str = flag("--attention", "auto")
     """'sdpa' (block mask, works everywhere), 'flex' (PyTorch flex attention), 'flash' (flash-attn varlen), 'auto'."""
+    freeze: str = flag("--freeze", "")
+    """Parts that do not train, any of 'vision,projector,language' (models/trainable.py says which modules):
+    e.g. 'vision' (LLaMA-Factory's freeze_vision_tower, ms-swift's --freeze_vit)."""
+    lora_rank: int = flag("--lora-rank", 0)
+    """LoRA rank through peft (0 = off): adapters on every nn.Linear of --lora-targets, everything else frozen."""
+    lora_alpha: float = flag("--lora-alpha", 16.0)
+    """LoRA scaling numerator (the update is alpha / rank * B @ A)."""
+    lora_dropout: float = flag("--lora-dropout", 0.0)
+    """Dropout on the LoRA branch's input."""
+    lora_targets: str = flag("--lora-targets", "language")
+    """Where LoRA goes: parts ('language', 'vision', 'projector', any subset) and/or module-name suffixes
+    ('q_proj,v_proj'); the LM head never."""
+    merge_lora: bool = flag("--merge-lora", False)
+    """Export a full HF checkpoint with the adapters folded in (OUTPUT_DIR/model), besides the adapter
+    (OUTPUT_DIR/adapter)."""
 
 
 @dataclass

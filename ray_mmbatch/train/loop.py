@@ -102,6 +102,9 @@ class Runner:
         self.files = RankEvents(channel, rank, cfg.train.ledger)
         self.files.trim(self.step)
         self.last_batch: dict[str, Any] | None = None
+        from ray_mmbatch.models.trainable import param_counts
+
+        self.param_counts = param_counts(model)  # trainable_params / total_params (--freeze, --lora-rank)
         self.aborted = ""  # why the skip guard stopped the run ("" = it did not)
         self.window: dict[str, float] = {}
 
@@ -262,6 +265,7 @@ class Runner:
             "initial_loss": self.initial_loss, "final": final,
             "progress": self.samples_seen / self.planned_samples if self.planned_samples else None,
             "aborted": self.aborted,
+            **self.param_counts,
             **{f"total_{k}": v for k, v in t.items()},
         }
         if g["steps"]:
@@ -299,6 +303,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
 
     from ray_mmbatch.models import get_backend
+    from ray_mmbatch.models.trainable import configure_trainable
     from ray_mmbatch.train import fsdp
     from ray_mmbatch.train.step import Progress, autocast_dtype, build_optimizer
 
@@ -309,6 +314,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     device = ray.train.torch.get_device()
     backend = get_backend(cfg)
     model = backend.create_model(cfg, config)
+    configure_trainable(model, cfg)  # --freeze, --lora-rank: before sharding and the optimizer
     if cfg.train.fsdp:  # shard before the optimizer is built: sharding replaces the parameters
         model = fsdp.shard_model(model, device, mixed_precision=autocast_dtype(cfg.train.precision, device),
                                  backend=backend)
@@ -333,4 +339,18 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         # under FSDP the parameters are shards: every rank takes part in gathering the full weights
         full = fsdp.full_state_dict(bare, backend.state_prefix(bare)) if cfg.train.fsdp else None
         if rank == 0:
-            backend.export(bare, cfg, RunDir(cfg.train.output_dir) / RunDir.EXPORT, full)
+            _export(backend, bare, cfg, full)
+
+
+def _export(backend, model, cfg: Config, full: dict | None) -> None:
+    """OUTPUT_DIR/model in the family's format; a LoRA run: OUTPUT_DIR/adapter (PEFT), and with
+    --merge-lora the adapters folded into OUTPUT_DIR/model."""
+    from ray_mmbatch.models import trainable
+
+    out = RunDir(cfg.train.output_dir)
+    if not hasattr(model, "lora_config"):
+        backend.export(model, cfg, out / RunDir.EXPORT, full)
+        return
+    trainable.export_adapter(model, out / RunDir.ADAPTER, cfg.model.path, full)
+    if cfg.model.merge_lora:
+        backend.export(trainable.merge_lora(model), cfg, out / RunDir.EXPORT, None)

@@ -236,6 +236,9 @@ def storage_location(cfg: Config) -> str:
 def run_training(cfg: Config) -> dict[str, Any]:
     """Train; return and write OUTPUT_DIR/summary.json."""
     t0 = time.time()
+    from ray_mmbatch.models.trainable import check_config
+
+    check_config(cfg)  # --freeze / --lora-*: a bad setting or a missing peft fails before Ray starts
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
     from ray_mmbatch.dataflow.pipeline import pools_for
     from ray_mmbatch.run.guards import TooManySkipped
@@ -266,6 +269,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "budget": cfg.to_dict()["budget"],
         "config": cfg.to_dict(),
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "trainable_params": m.get("trainable_params"),
+        "total_params": m.get("total_params"),
     }
     if stopped.exists():  # the skip guard stopped the run (train/loop.py)
         summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))

@@ -1,0 +1,152 @@
+"""What trains (models/trainable.py, issue 27): --freeze parts on the built-in model and a real HF
+Qwen2-VL, counts per setting, frozen weights bit-identical after optimizer steps; LoRA through peft:
+only adapter weights train, the exported adapter reloads with PeftModel and, merged, gives the
+trained model's logits; the merge in place too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ray_mmbatch import local_batches
+from ray_mmbatch.config import Config
+from ray_mmbatch.models import configure, get_backend, token_ids
+from ray_mmbatch.models import trainable as T
+from ray_mmbatch.synthetic.generate import generate_dataset
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("trainable_data")
+    generate_dataset(str(d), 24, "parquet", seed=3, workers=1)
+    return str(d)
+
+
+def _cfg(data: str, model_path: str = "", **model) -> Config:
+    cfg = Config()
+    cfg.data.path, cfg.data.format = data, "parquet"
+    cfg.budget.max_tokens, cfg.budget.window = 1024, 24
+    cfg.model.path = model_path
+    for k, v in model.items():
+        setattr(cfg.model, k, v)
+    return configure(cfg)
+
+
+def _model(cfg: Config):
+    torch.manual_seed(0)
+    return get_backend(cfg).create_model(cfg, token_ids(cfg))
+
+
+def _image_batches(cfg: Config, n: int = 3) -> list[dict]:
+    batches = [b for b in local_batches(cfg, limit=8) if len(b["patches"])]
+    assert len(batches) >= n
+    return batches[:n]
+
+
+def _train(model, cfg: Config, batches: list[dict], lr: float = 1e-2) -> None:
+    from ray_mmbatch.train.step import build_optimizer, optimizer_step
+
+    cfg.train.lr, cfg.train.warmup_steps, cfg.train.grad_clip = lr, 0, 0.0
+    opt, sched = build_optimizer(model, cfg.train, 100)
+    for b in batches:
+        optimizer_step(model, [b], opt, sched, cfg.train, "cpu")
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from tests.hf_checkpoints import make_qwen_checkpoint
+
+    return str(make_qwen_checkpoint(tmp_path_factory.mktemp("qwen_ck"), "qwen2_vl"))
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["builtin", "qwen2_vl"])
+def test_parts_partition_the_model_and_freeze_counts(data, qwen, hf):
+    cfg = _cfg(data, qwen if hf else "")
+    model = _model(cfg)
+    parts = T.part_parameters(model)
+    sizes = {k: sum(p.numel() for _, p in v) for k, v in parts.items()}
+    assert all(sizes.values()), sizes  # each part holds parameters
+    total = T.param_counts(model)["total_params"]
+    assert sum(sizes.values()) == total  # a partition: nothing counted twice, nothing left out
+    names = {k: [n for n, _ in v] for k, v in parts.items()}
+    if hf:
+        assert all(".visual." in n and ".merger." not in n for n in names["vision"])
+        assert all(".visual.merger." in n for n in names["projector"])
+        assert any("lm_head" in n for n in names["language"]) and any("embed_tokens" in n for n in names["language"])
+    else:
+        assert all(n.startswith("vision.") for n in names["vision"] + names["projector"])
+        assert {n.split(".")[1] for n in names["projector"]} == {"merge_norm", "projector"}
+    for choice in ("vision", "projector", "language", "vision,projector"):
+        m = _model(cfg)
+        T.freeze(m, choice)
+        want = total - sum(sizes[p] for p in choice.split(","))
+        assert T.param_counts(m) == {"trainable_params": want, "total_params": total}
+    with pytest.raises(ValueError, match="unknown part"):
+        T.parse_parts("vision,llm")
+    m = _model(cfg)
+    cfg.model.freeze = "vision,projector,language"
+    with pytest.raises(ValueError, match="leaves no parameter"):
+        T.configure_trainable(m, cfg)
+
+
+def test_frozen_weights_stay_bit_identical(data):
+    cfg = _cfg(data, freeze="vision,projector")
+    model = _model(cfg)
+    T.configure_trainable(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _train(model, cfg, _image_batches(cfg))
+    frozen = {n for k in ("vision", "projector") for n, _ in T.part_parameters(model)[k]}
+    for n, p in model.named_parameters():
+        if n in frozen:
+            assert torch.equal(p, before[n]), n
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters() if n not in frozen)
+
+
+def test_lora_trains_adapters_only_and_the_exported_adapter_reloads(data, qwen, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    cfg = _cfg(data, qwen, lora_rank=4, lora_alpha=8.0)
+    model = _model(cfg)
+    base_counts = T.param_counts(model)
+    T.configure_trainable(model, cfg)
+    counts = T.param_counts(model)
+    lora = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n in lora)
+    assert all(".visual." not in n for n in lora)  # default targets: the language model only
+    assert counts["total_params"] > base_counts["total_params"] > 10 * counts["trainable_params"]
+    batches = _image_batches(cfg)
+    base_before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    _train(model, cfg, batches, lr=5e-2)
+    assert all(torch.equal(p, base_before[n]) for n, p in model.named_parameters() if "lora_" not in n)
+    model.eval()
+    with torch.no_grad():
+        want = model(batches[0])
+        start = _model(_cfg(data, qwen)).eval()(batches[0])
+    assert (want - start).abs().max() > 1e-3  # the adapter changed the model
+
+    d = T.export_adapter(model, tmp_path / "adapter", qwen)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in d.iterdir()}
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen), str(d))
+    merged = peft_model.merge_and_unload()
+    fresh = _model(_cfg(data, qwen)).eval()
+    fresh.hf_model.load_state_dict(merged.state_dict())
+    scale = float(want.abs().max())  # merged weights round differently in fp32: 1e-5 of the logits' scale
+    with torch.no_grad():
+        assert float((fresh(batches[0]) - want).abs().max()) <= 1e-5 * scale
+        T.merge_lora(model)  # --merge-lora: folded in place, the LoRA layers gone
+        assert not any("lora_" in n for n, _ in model.named_parameters())
+        assert float((model(batches[0]) - want).abs().max()) <= 1e-5 * scale
+
+
+def test_check_config_refuses_at_start():
+    cfg = Config()
+    cfg.model.freeze = "vit"
+    with pytest.raises(ValueError, match="unknown part"):
+        T.check_config(cfg)
+    cfg = Config()
+    cfg.model.merge_lora = True
+    with pytest.raises(ValueError, match="needs a LoRA run"):
+        T.check_config(cfg)
+    cfg.model.lora_rank, cfg.train.fsdp = 8, True
+    with pytest.raises(ValueError, match="--merge-lora with --fsdp"):
+        T.check_config(cfg)
