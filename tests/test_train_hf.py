@@ -2,9 +2,11 @@
 
 Two workers on the shared local cluster, with DDP and with FSDP2 (gloo on CPU). The run stops
 at step 2, is re-run with the same output dir and resumes (model, optimizer and data position
-restored) to step 4; every sample trained is trained once, and OUTPUT_DIR/model is a Hugging
-Face checkpoint that ``from_pretrained`` loads, with weights that moved away from the starting
-checkpoint.
+restored) to step 4; every sample trained is trained once. DDP runs with ``--freeze vision``:
+OUTPUT_DIR/model is a Hugging Face checkpoint that ``from_pretrained`` loads, whose vision
+encoder equals the starting checkpoint's while the rest moved. FSDP2 runs LoRA
+(``--lora-rank 4``): OUTPUT_DIR/adapter is a PEFT adapter gathered from the shards that
+``PeftModel.from_pretrained`` loads on the starting checkpoint, and only adapter weights trained.
 """
 from __future__ import annotations
 
@@ -41,6 +43,10 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
         c.train.ledger, c.train.lr, c.train.warmup_steps = True, 1e-3, 1
         c.train.output_dir = str(out)
         c.train.fsdp = fsdp  # FSDP2 over gloo: sharded checkpoints per rank, full weights gathered to export
+        if fsdp:
+            c.model.lora_rank, c.model.lora_alpha = 4, 8.0
+        else:
+            c.model.freeze = "vision"
         return c
 
     first = run_training(cfg(2))
@@ -57,10 +63,22 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
     assert (summary["config"]["image"]["patch_size"] == 14
             and summary["config"]["text"]["image_token"] == "<|image_pad|>")
 
-    exported = AutoModelForImageTextToText.from_pretrained(out / "model")
     start = AutoModelForImageTextToText.from_pretrained(ck)
-    moved = [n for (n, a), (_, b) in zip(exported.named_parameters(), start.named_parameters())
-             if not torch.equal(a, b)]
+    assert 0 < summary["trainable_params"] < summary["total_params"]
+    if fsdp:  # LoRA: the adapter, gathered from the shards, loads on the starting checkpoint
+        from peft import PeftModel
+
+        assert not (out / "model").exists()
+        peft_model = PeftModel.from_pretrained(start, str(out / "adapter"))
+        lora = {n: p for n, p in peft_model.named_parameters() if "lora_B" in n}
+        assert lora and any(p.abs().max() > 0 for p in lora.values()), "lora_B starts at 0: it never trained"
+        assert summary["trainable_params"] < summary["total_params"] / 10
+        return
+    exported = AutoModelForImageTextToText.from_pretrained(out / "model")
+    moved = {n for (n, a), (_, b) in zip(exported.named_parameters(), start.named_parameters())
+             if not torch.equal(a, b)}
     assert moved, "the exported model equals the starting checkpoint: nothing was trained or exported"
+    assert not {n for n in moved if ".visual." in n and ".merger." not in n}, "a frozen vision weight moved"
+    assert {n for n in moved if ".visual.merger." in n}, "the projector trains with --freeze vision"
     for name in ("tokenizer.json", "tokenizer_config.json", "preprocessor_config.json", "config.json"):
         assert (out / "model" / name).is_file(), name
