@@ -48,10 +48,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ray_mmbatch.dataflow.pools import ResourceError
     from ray_mmbatch.run.guards import TooManySkipped
     from ray_mmbatch.run.preflight import PreflightError, preflight
+    from ray_mmbatch.run.trackers import TrackerError, check_trackers
 
     try:
+        check_trackers(cfg.train.report_to)  # --report-to: each tracker imports, else the pip install to run
         seen = preflight(cfg)
-    except PreflightError as e:
+    except (PreflightError, TrackerError) as e:
         print(f"[train] error: {e}", file=sys.stderr, flush=True)
         return 2
     print(f"[train] data ok: {seen['format']}, {seen['files']} file(s), first {seen['samples_checked']} samples "

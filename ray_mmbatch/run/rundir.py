@@ -11,6 +11,7 @@ Every file a run writes under ``--output-dir`` is named here and nowhere else::
     stopped.json            the skip guard stopped the run (guards.py)
     latest_checkpoint.json  rank 0's pointer to its newest checkpoint and data position
     model/                  the trained model in its family's format (export)
+    tensorboard/            TensorBoard event files (--report-to tensorboard, run/trackers.py)
     adapter/                a LoRA run's PEFT adapter (PeftModel.from_pretrained(base, adapter/))
     ray_storage/            Ray Train's checkpoints when no --storage is given
     report.html, report.json  `ray-mmbatch report`
@@ -47,6 +48,7 @@ class RunDir:
     REPORT_HTML = "report.html"
     REPORT_JSON = "report.json"
     FAULT_DRILL = "fault_drill_done"
+    TENSORBOARD = "tensorboard"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -10,7 +10,8 @@ disks and the driver, on the head, showed no progress and summed no skips. Now:
 - one small ``RunChannel`` actor (no CPU slot, on the head node: it lives as long as the
   cluster does, whatever node is preempted) queues them;
 - the driver drains the queue twice a second (``follow``) into ``runlog.RunWriter``, the
-  one writer of the run dir. ``run.progress.ProgressPrinter`` follows the metrics file it writes.
+  one writer of the run dir. ``run.progress.ProgressPrinter`` follows the metrics file it writes;
+  the experiment trackers (``--report-to``, run/trackers.py) get the same events right after it.
 
 Rank 0 sends a ``trim`` to the restored step (waited for) before any rank can send a
 newer record: the first all-reduce of the step loop orders them.
@@ -85,8 +86,9 @@ class follow:
     """
 
     def __init__(self, out, interval: float = 0.5,
-                 on_error: Callable[[BaseException], None] | None = None):
+                 on_error: Callable[[BaseException], None] | None = None, sink=None):
         self.writer = RunWriter(out)
+        self.sink = sink  # run/trackers.TrackerSink (or None): fed the events the writer applies
         self.interval, self.on_error = interval, on_error
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ray_mmbatch_events", daemon=True)
@@ -103,7 +105,10 @@ class follow:
         return self.channel
 
     def drain(self) -> None:
-        self.writer.apply(ray.get(self.channel.drain.remote()))
+        events = ray.get(self.channel.drain.remote())
+        self.writer.apply(events)
+        if self.sink is not None:
+            self.sink.apply(events)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
@@ -120,3 +125,5 @@ class follow:
             self.drain()
         finally:
             ray.kill(self.channel)
+            if self.sink is not None:
+                self.sink.close(failed=exc[0] is not None)

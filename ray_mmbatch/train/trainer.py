@@ -134,10 +134,12 @@ def _worker_resources(cfg: Config) -> dict[str, float]:
 def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
     """``build_trainer(...).fit()``, the ranks' records written under OUTPUT_DIR by this process
     (train/events.py: through Ray, so no shared disk is needed for progress and summary)."""
+    from ray_mmbatch.run.trackers import open_trackers
     from ray_mmbatch.train.events import follow
 
     check_output_locations(cfg)
-    with follow(Path(cfg.train.output_dir).resolve()) as channel:
+    out = Path(cfg.train.output_dir).resolve()
+    with follow(out, sink=open_trackers(cfg, out, run_name or "")) as channel:  # --report-to: run/trackers.py
         return build_trainer(cfg, run_name, callbacks, channel=channel).fit()
 
 
@@ -239,6 +241,9 @@ def run_training(cfg: Config) -> dict[str, Any]:
     from ray_mmbatch.models.trainable import check_config
 
     check_config(cfg)  # --freeze / --lora-*: a bad setting or a missing peft fails before Ray starts
+    from ray_mmbatch.run.trackers import check_trackers
+
+    check_trackers(cfg.train.report_to)  # --report-to: a tracker not installed fails before Ray starts
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
     from ray_mmbatch.dataflow.pipeline import pools_for
     from ray_mmbatch.run.guards import TooManySkipped

@@ -1,0 +1,224 @@
+"""--report-to tensorboard,wandb,mlflow (run/trackers.py), with the real libraries, all on this machine.
+
+W&B offline (WANDB_MODE=offline, WANDB_DIR in tmp_path), MLflow in a ``file:`` store
+(MLFLOW_ALLOW_FILE_STORE=true), TensorBoard event files in OUTPUT_DIR/tensorboard; each is
+read back with its own reader (EventAccumulator, MlflowClient, the offline run's .wandb log).
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from ray_mmbatch.config import Config
+from ray_mmbatch.run.rundir import RunDir, read_jsonl
+from ray_mmbatch.run.trackers import TRACKERS, TrackerError, TrackerSink, check_trackers, tracker_names
+
+pytest.importorskip("wandb")
+pytest.importorskip("mlflow")
+pytest.importorskip("tensorboard")  # the reader (the writer may be tensorboardX)
+
+
+@pytest.fixture
+def tracker_env(tmp_path, monkeypatch):
+    (tmp_path / "wandb").mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_PROJECT", "ray_mmbatch_tests")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return tmp_path
+
+
+# ------------------------------------------------------------------ readers
+def tb_scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    """tag -> [(step, value)] as TensorBoard shows them (purged points left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / RunDir.TENSORBOARD), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def tb_hparams(out: Path) -> set[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    acc = EventAccumulator(str(out / RunDir.TENSORBOARD))
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    return set(plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams)
+
+
+def mlflow_run(root: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert len(runs) == 1, [r.info.run_name for r in runs]
+    return client, runs[0]
+
+
+def wandb_records(root: Path) -> list:
+    """The records of the one offline W&B run under WANDB_DIR: its .wandb file is a LevelDB-style
+    log (7-byte file header, then 32 KiB blocks of records: crc32, length, type, protobuf bytes)."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = (root / "wandb").glob("wandb/offline-run-*/run-*.wandb")
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, pending, out = 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # the rest of a block too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL, LAST
+            out.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+    return out
+
+
+def wandb_history(records) -> list[dict]:
+    rows = []
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item})
+    return rows
+
+
+def wandb_updates(records, kind: str) -> dict:
+    out: dict = {}
+    for r in records:
+        if r.WhichOneof("record_type") == kind:
+            out.update({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in getattr(r, kind).update})
+        if r.WhichOneof("record_type") == "run" and kind == "config":
+            out.update({i.key: json.loads(i.value_json) for i in r.run.config.update})
+    return out
+
+
+# ------------------------------------------------------------------ the sink on a sequence of events
+def _metrics(step: int, loss: float, **extra) -> tuple:
+    rec = {"step": step, "loss": loss, "lr": 1e-3 * step, "tokens_per_s": 1000.0 + step, "padded_tokens_per_s": 1100.0,
+           "samples_per_s": 10.0, "fill": 0.9, "step_time_s": 0.5, "data_wait_frac": 0.05, "peak_mem_mb": 512.0,
+           "initial_loss": 3.0, "final": False, "progress": None, "aborted": "", "total_samples": 10 * step, **extra}
+    return ("append", "metrics", rec)
+
+
+def _skip(step: int, sid: str, reason: str) -> tuple:
+    return ("append", "skipped", {"step": step, "sample_id": sid, "reason": reason, "detail": "x"})
+
+
+def test_sink_logs_config_metrics_skips_and_survives_a_restore(tracker_env, tmp_path):
+    """Events as the driver drains them (a fresh start, reports, a restore to step 4, reports
+    again with an eval loss): every tracker has the config, every metric by step and the skip
+    counts; TensorBoard shows the re-reported step 6 only, MLflow keeps both in its history,
+    W&B logs both rows at their step."""
+    out = tmp_path / "run"
+    cfg = Config()
+    cfg.train.lr, cfg.train.report_to = 0.0123, ("tensorboard", "wandb", "mlflow")
+    sink = TrackerSink(check_trackers(cfg.train.report_to), out, cfg.to_dict(), "unit")
+    sink.apply([("trim", 0), _skip(1, "a", "corrupt_image"), ("append", "batches", {"step": 1, "rank": 0}),
+                _metrics(2, 3.0), _metrics(4, 2.5)])
+    sink.apply([_skip(5, "b", "missing_image"), _metrics(6, 2.0)])
+    sink.apply([("trim", 4), _skip(5, "b", "missing_image"), _skip(6, "c", "missing_image"),
+                _metrics(6, 1.9, eval_loss=2.2), _metrics(8, 1.5, final=True)])
+    sink.close()
+
+    # TensorBoard: the restore's purge hides the first step 6
+    tb = tb_scalars(out)
+    assert tb["loss"] == [(2, 3.0), (4, 2.5), (6, pytest.approx(1.9)), (8, 1.5)]
+    assert tb["eval_loss"] == [(6, pytest.approx(2.2))]
+    assert {"lr", "tokens_per_s", "fill", "data_wait_frac", "peak_mem_mb", "step_time_s", "total_samples"} <= set(tb)
+    assert not {"final", "progress", "aborted", "step"} & set(tb)
+    assert tb["skipped_total"] == [(2, 1.0), (4, 1.0), (6, 3.0), (8, 3.0)]  # "b" sent twice, counted once
+    assert tb["skipped/missing_image"][-1] == (8, 2.0) and tb["skipped/corrupt_image"][-1] == (8, 1.0)
+    assert {"train.lr", "budget.max_tokens", "train.report_to"} <= tb_hparams(out)
+
+    # MLflow: params, the metric history with both step-6 values, the latest value, the restore tag
+    client, run = mlflow_run(tmp_path)
+    assert run.data.params["train.lr"] == "0.0123" and run.data.params["budget.max_tokens"] == "4096"
+    history = [(m.step, m.value) for m in sorted(client.get_metric_history(run.info.run_id, "loss"),
+                                                 key=lambda m: (m.step, m.timestamp))]
+    assert [s for s, _ in history] == [2, 4, 6, 6, 8] and history[-1] == (8, 1.5)
+    assert run.data.metrics["loss"] == 1.5 and run.data.metrics["eval_loss"] == pytest.approx(2.2)
+    assert run.data.metrics["skipped_total"] == 3.0
+    assert run.data.tags["ray_mmbatch.restored_to_step"] == "4" and run.info.status == "FINISHED"
+
+    # W&B: the config, one history row per report with its step, the summary
+    records = wandb_records(tmp_path)
+    rows = wandb_history(records)
+    assert [(r["step"], r["loss"]) for r in rows] == [(2, 3.0), (4, 2.5), (6, 2.0), (6, pytest.approx(1.9)),
+                                                        (8, 1.5)]
+    assert rows[3]["eval_loss"] == pytest.approx(2.2) and rows[-1]["skipped_total"] == 3.0
+    assert {"lr", "tokens_per_s", "fill", "data_wait_frac", "peak_mem_mb"} <= set(rows[0])
+    config = wandb_updates(records, "config")
+    assert config["train"]["lr"] == 0.0123 and config["budget"]["max_tokens"] == 4096
+    assert wandb_updates(records, "summary")["restored_to_step"] == 4
+
+
+# ------------------------------------------------------------------ not installed / unknown
+def test_a_tracker_not_installed_names_the_pip_install(monkeypatch):
+    monkeypatch.setitem(TRACKERS, "wandb", (("ray_mmbatch_no_such_tracker_module",), "pip install wandb"))
+    with pytest.raises(TrackerError, match=r"--report-to wandb: not installed .*Install it with: pip install wandb"):
+        check_trackers("tensorboard,wandb")
+    with pytest.raises(TrackerError, match="unknown tracker; choose from tensorboard, wandb, mlflow"):
+        check_trackers(("comet",))
+    assert check_trackers("none") == () and tracker_names(" TensorBoard, mlflow ,") == ("tensorboard", "mlflow")
+
+
+def test_cli_refuses_a_missing_tracker_before_any_work(tmp_path):
+    """A real missing module: a wandb.py on PYTHONPATH whose import fails, as an uninstalled one does."""
+    import os
+    import subprocess
+
+    (tmp_path / "shadow").mkdir()
+    (tmp_path / "shadow" / "wandb.py").write_text("raise ImportError('No module named wandb')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "shadow")}
+    r = subprocess.run([sys.executable, "-c", "import sys; from ray_mmbatch.cli import main; sys.exit(main())",
+                        "train", "--data", str(tmp_path / "none"),
+                        "--report-to", "tensorboard,wandb", "--output-dir", str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "--report-to wandb: not installed" in r.stderr and "pip install wandb" in r.stderr
+    assert "ray.init" not in r.stderr and not (tmp_path / "out").exists()  # nothing ran
+
+
+# ------------------------------------------------------------------ one real run
+@pytest.mark.ray
+@pytest.mark.slow
+def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env, tmp_path):
+    from ray_mmbatch.commands.train import main
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    data, out = tmp_path / "data", tmp_path / "run"
+    generate_dataset(str(data), 48, "parquet", seed=3, shard_size=48, bad_per_kind=1)
+    rc = main(["--data", str(data), "--output-dir", str(out), "--max-tokens", "1024", "--window", "32",
+               "--max-steps", "6", "--report-every", "2", "--checkpoint-every", "0", "--verbose",
+               "--report-to", "tensorboard,mlflow,wandb"])
+    assert rc == 0
+    reported = [(r["step"], r["loss"]) for r in read_jsonl(out / RunDir.METRICS)]
+    assert [s for s, _ in reported] == [2, 4, 6] and all(math.isfinite(v) for _, v in reported)
+    skipped = json.loads((out / RunDir.SUMMARY).read_text())["skipped_total"]
+    assert skipped > 0
+
+    tb = tb_scalars(out)
+    assert [(s, pytest.approx(v)) for s, v in reported] == tb["loss"]
+    assert tb["skipped_total"][-1][1] <= skipped and {"lr", "tokens_per_s", "fill", "peak_mem_mb"} <= set(tb)
+
+    client, run = mlflow_run(tmp_path)
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
+    assert history == [(s, pytest.approx(v)) for s, v in reported]
+    assert run.data.params["train.max_steps"] == "6" and run.info.status == "FINISHED"
+    assert run.info.run_name == "run"
+
+    rows = wandb_history(wandb_records(tmp_path))
+    assert [(r["step"], r["loss"]) for r in rows] == [(s, pytest.approx(v)) for s, v in reported]
