@@ -150,3 +150,13 @@ def test_check_config_refuses_at_start():
     cfg.model.lora_rank, cfg.train.fsdp = 8, True
     with pytest.raises(ValueError, match="--merge-lora with --fsdp"):
         T.check_config(cfg)
+
+
+def test_lora_with_gradient_checkpointing_trains_the_adapters(data, qwen):
+    """Non-reentrant activation checkpointing: the adapters get gradients though the embeddings are frozen."""
+    cfg = _cfg(data, qwen, lora_rank=4, gradient_checkpointing=True)
+    model = _model(cfg)
+    T.configure_trainable(model, cfg)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    _train(model, cfg, _image_batches(cfg, 1), lr=5e-2)
+    assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_B" in n)
