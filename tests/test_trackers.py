@@ -175,6 +175,20 @@ def test_a_tracker_not_installed_names_the_pip_install(monkeypatch):
     assert check_trackers("none") == () and tracker_names(" TensorBoard, mlflow ,") == ("tensorboard", "mlflow")
 
 
+def test_an_mlflow_store_that_does_not_open_fails_at_start(tmp_path, monkeypatch):
+    """MLflow 3 refuses a file: store unless MLFLOW_ALLOW_FILE_STORE=true: said at start, not mid-run."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    import mlflow
+
+    if int(mlflow.__version__.split(".")[0]) < 3:
+        pytest.skip("MLflow 2 opens a file: store as it is")
+    with pytest.raises(TrackerError, match="--report-to mlflow: the tracking store .*MLFLOW_ALLOW_FILE_STORE"):
+        check_trackers("mlflow")
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    assert check_trackers("mlflow") == ("mlflow",)
+
+
 def test_cli_refuses_a_missing_tracker_before_any_work(tmp_path):
     """A real missing module: a wandb.py on PYTHONPATH whose import fails, as an uninstalled one does."""
     import os

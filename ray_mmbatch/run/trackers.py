@@ -88,10 +88,19 @@ def import_tracker(name: str):
 
 
 def check_trackers(report_to: Any) -> tuple[str, ...]:
-    """At start, before any Ray work: every tracker asked for imports; returns their names."""
+    """At start, before any Ray work: every tracker asked for imports (and MLflow's tracking store
+    opens: a ``file:`` store MLflow 3 refuses, a server that does not answer); returns their names."""
     names = tracker_names(report_to)
     for name in names:
-        import_tracker(name)
+        module = import_tracker(name)
+        if name == "mlflow":
+            try:
+                module.MlflowClient().search_experiments(max_results=1)
+            except Exception as e:
+                text = str(e).strip().splitlines()
+                raise TrackerError(f"--report-to mlflow: the tracking store {module.get_tracking_uri()!r} "
+                                   f"(MLFLOW_TRACKING_URI) does not open: {type(e).__name__}: "
+                                   f"{text[0] if text else ''}") from None
     return names
 
 
