@@ -225,9 +225,9 @@ class TrainConfig:
     export_hf: bool = True
     """HF models: save the trained model in HF format (save_pretrained: model, tokenizer, processor) to
     OUTPUT_DIR/model at the end, on rank 0's node)."""
-    report_to: tuple[str, ...] = flag("--report-to", ())
+    report_to: str = flag("--report-to", "")
     """Experiment trackers to log to besides OUTPUT_DIR's files, comma-separated: 'tensorboard' (event files in
-    OUTPUT_DIR/tensorboard), 'wandb', 'mlflow' (where WANDB_* / MLFLOW_TRACKING_URI point); () / 'none' = none.
+    OUTPUT_DIR/tensorboard), 'wandb', 'mlflow' (where WANDB_* / MLFLOW_TRACKING_URI point); '' / 'none' = none.
     The driver logs them, from the records every rank sends it: the config once, then at every report each
     metric of metrics.jsonl and the skip counts, keyed by step (run/trackers.py). Optional installs:
     pip install 'ray_mmbatch[trackers]'; one asked for and missing stops the run at start."""

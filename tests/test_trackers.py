@@ -124,7 +124,7 @@ def test_sink_logs_config_metrics_skips_and_survives_a_restore(tracker_env, tmp_
     W&B logs both rows at their step."""
     out = tmp_path / "run"
     cfg = Config()
-    cfg.train.lr, cfg.train.report_to = 0.0123, ("tensorboard", "wandb", "mlflow")
+    cfg.train.lr, cfg.train.report_to = 0.0123, "tensorboard,wandb,mlflow"
     sink = TrackerSink(check_trackers(cfg.train.report_to), out, cfg.to_dict(), "unit")
     sink.apply([("trim", 0), _skip(1, "a", "corrupt_image"), ("append", "batches", {"step": 1, "rank": 0}),
                 _metrics(2, 3.0), _metrics(4, 2.5)])
