@@ -4,6 +4,7 @@
     guards.py      the skip-fraction guard and its reason -> fix hints
     rundir.py      a run folder: every file name (RunDir), the JSONL reader, the one writer
     progress.py    progress lines and the end-of-run summary (pure)
+    trackers.py    --report-to: TensorBoard / W&B / MLflow, fed by the driver's run events
     raylogs.py     Ray's internal lines off the console (--verbose: all of them)
     report.py      the HTML report of a finished run (pure)
     verify.py      packing exactness: a packed batch against its samples run alone (torch)
