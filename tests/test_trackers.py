@@ -165,6 +165,18 @@ def test_sink_logs_config_metrics_skips_and_survives_a_restore(tracker_env, tmp_
     assert wandb_updates(records, "summary")["restored_to_step"] == 4
 
 
+def test_tensorboardx_writes_the_same_files(tmp_path, monkeypatch):
+    """Without the tensorboard package the writer is tensorboardX (ray[tune] installs it): same tags, same purge."""
+    monkeypatch.setitem(TRACKERS, "tensorboard", (("tensorboardX",), "pip install tensorboard"))
+    sink = TrackerSink(("tensorboard",), tmp_path, Config().to_dict(), "tbx")
+    assert sink.trackers["tensorboard"].module.__name__ == "tensorboardX"
+    sink.apply([("trim", 0), _metrics(2, 3.0), _metrics(4, 2.5), _metrics(6, 2.0)])
+    sink.apply([("trim", 4), _metrics(6, 1.5)])
+    sink.close()
+    assert tb_scalars(tmp_path)["loss"] == [(2, 3.0), (4, 2.5), (6, 1.5)]
+    assert "train.lr" in tb_hparams(tmp_path)
+
+
 # ------------------------------------------------------------------ not installed / unknown
 def test_a_tracker_not_installed_names_the_pip_install(monkeypatch):
     monkeypatch.setitem(TRACKERS, "wandb", (("ray_mmbatch_no_such_tracker_module",), "pip install wandb"))

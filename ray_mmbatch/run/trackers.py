@@ -247,12 +247,16 @@ class TrackerSink:
 
     def __init__(self, names: tuple[str, ...], out: str | Path, config: dict[str, Any], run_name: str):
         self.trackers: dict[str, Any] = {}
-        try:
-            for name in names:
+        for name in names:
+            try:
                 self.trackers[name] = OPENERS[name](Path(out), config, run_name)
-        except BaseException:
-            self.close(failed=True)
-            raise
+            except BaseException as e:
+                self.close(failed=True)
+                if not isinstance(e, Exception) or isinstance(e, TrackerError):
+                    raise
+                text = str(e).strip().splitlines()
+                raise TrackerError(f"--report-to {name}: does not start: {type(e).__name__}: "
+                                   f"{text[0] if text else ''}") from e
         self.skipped: dict[str, str] = {}  # sample id -> reason (a restore may send one again)
         self.failures: dict[str, int] = {}
 
