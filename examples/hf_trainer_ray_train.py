@@ -8,7 +8,8 @@ batches with Ray Data (``ingest.datasets``), and runs ``TokenBudgetTrainer`` (a
 ``BatchStream``: DDP over the workers, gradient accumulation, the loss normalized over all real
 target tokens of a step, as the project's own loop does. ``--model`` takes a local Hugging Face
 VLM checkpoint (Qwen2/2.5/3-VL, LLaVA); without it the small built-in model trains. Prints the
-Trainer's per-step loss and where the trained weights are (the run's checkpoint). Joins the cluster in RAY_ADDRESS if set, else starts Ray locally.
+Trainer's per-step loss and where the trained weights are (the run's checkpoint). Joins the
+cluster in RAY_ADDRESS if set, else starts Ray locally.
 """
 from __future__ import annotations
 

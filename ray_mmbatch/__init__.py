@@ -8,11 +8,11 @@ project's model contract. Both functions import their modules lazily: the packag
 from __future__ import annotations
 
 
-def local_batches(cfg, limit=None, epoch=0, with_skips=False):
+def local_batches(cfg, limit=None, epoch=0, with_skips=False, shard=(0, 1), split="train"):
     """See ray_mmbatch.dataflow.local.local_batches (imported lazily: the package import stays light)."""
     from ray_mmbatch.dataflow.local import local_batches as _local_batches
 
-    return _local_batches(cfg, limit=limit, epoch=epoch, with_skips=with_skips)
+    return _local_batches(cfg, limit=limit, epoch=epoch, with_skips=with_skips, shard=shard, split=split)
 
 
 def batch_by_token_budget(ds, **kwargs):

@@ -202,6 +202,8 @@ class TrainConfig:
     epoch in the seed."""
     report_every: int = flag("--report-every", 5)
     """Report metrics every N optimizer steps."""
+    eval_every: int = flag("--eval-every", 0)
+    """With --eval-split / --eval-data: evaluate every N optimizer steps (0 = at the end only; always at the end)."""
     checkpoint_every: int = flag("--checkpoint-every", 20)
     """Checkpoint every N optimizer steps (0 = only at the end)."""
     max_failures: int = flag("--max-failures", 2)
@@ -260,6 +262,11 @@ class DataConfig:
     cluster: the pools start at 2 and may grow to the CPU slots the nodes offering --data-resource have (or
     the whole cluster's less the Train workers'), measure ~1/5 and materialize the rest (pools.py). A number
     pins both pools at that size; a run whose pools cannot be placed stops at start saying why."""
+    eval_split: float = flag("--eval-split", 0.0)
+    """Hold this fraction of --data out of training for evaluation, chosen by a hash of each sample id (stable
+    across runs, resumes and epochs; data/split.py). 0 = none."""
+    eval_data: str = flag("--eval-data", "")
+    """A separate held-out dataset (same forms and format options as --data); overrides --eval-split."""
     shuffle: str = flag("--shuffle", "samples")
     """Sample order of every epoch, the first included, seeded by (train.seed, epoch): 'samples' (the read
     units in a seeded order, then a seeded shuffle buffer of shuffle_buffer samples before planning),

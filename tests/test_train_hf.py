@@ -2,7 +2,8 @@
 
 Two workers on the shared local cluster, with DDP and with FSDP2 (gloo on CPU). The run stops
 at step 2, is re-run with the same output dir and resumes (model, optimizer and data position
-restored) to step 4; every sample trained is trained once. DDP runs with ``--freeze vision``:
+restored) to step 4; every sample trained is trained once. DDP runs with ``--freeze vision`` and
+``--eval-split 0.25 --eval-every 2`` (the held-out loss at steps 2 and 4, its ids never trained):
 OUTPUT_DIR/model is a Hugging Face checkpoint that ``from_pretrained`` loads, whose vision
 encoder equals the starting checkpoint's while the rest moved. FSDP2 runs LoRA
 (``--lora-rank 4``): OUTPUT_DIR/adapter is a PEFT adapter gathered from the shards that
@@ -47,6 +48,7 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
             c.model.lora_rank, c.model.lora_alpha = 4, 8.0
         else:
             c.model.freeze = "vision"
+            c.data.eval_split, c.train.eval_every = 0.25, 2  # held out by id hash, evaluated on both ranks
         return c
 
     first = run_training(cfg(2))
@@ -74,6 +76,14 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
         assert lora and any(p.abs().max() > 0 for p in lora.values()), "lora_B starts at 0: it never trained"
         assert summary["trainable_params"] < summary["total_params"] / 10
         return
+    evals = [json.loads(ln) for ln in (out / RunDir.EVAL).read_text().splitlines()]
+    assert [e["step"] for e in evals] == [2, 4] and all(0 < e["eval_loss"] < 20 for e in evals)
+    assert summary["eval_loss"] == pytest.approx(evals[-1]["eval_loss"])
+    assert evals[0]["eval_loss"] != evals[1]["eval_loss"]  # the model trained in between
+    held = [i for ln in (out / RunDir.EVAL_IDS).read_text().splitlines() for i in json.loads(ln)["ids"]]
+    first_eval = held[: evals[0]["eval_samples"]]  # the first run's ranks; the resumed run adds them again
+    assert len(first_eval) == len(set(first_eval)) == evals[0]["eval_samples"] > 0  # each on one rank, once
+    assert set(held) == set(first_eval) and not set(held) & set(trained)  # the same split, never trained
     exported = AutoModelForImageTextToText.from_pretrained(out / "model")
     moved = {n for (n, a), (_, b) in zip(exported.named_parameters(), start.named_parameters())
              if not torch.equal(a, b)}

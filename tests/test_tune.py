@@ -6,15 +6,16 @@ import pytest
 
 from ray_mmbatch.config import Config, load_config
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-
+@pytest.mark.ray
+@pytest.mark.slow
 def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parquet_dataset, tmp_path):
     from ray_mmbatch.run.tune import format_table, tune_budgets
 
     base = Config()
     base.data.path, base.data.format = str(small_parquet_dataset), "parquet"
     base.budget.window = 64
+    base.data.eval_split = 0.25  # every trial ends with its held-out loss (--metric eval_loss can rank by it)
     settings = [
         {"budget.max_tokens": 512},
         {"budget.max_tokens": 4096},
@@ -28,6 +29,7 @@ def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parque
     assert by_tokens[8192]["feasible"] is False and by_tokens[8192]["status"] == "failed"
     feasible = [t for t in trials if t["feasible"]]
     assert len(feasible) == 2 and all(t["tokens_per_s"] > 0 and t["peak_mem_mb"] > 0 for t in feasible)
+    assert all(0 < t["eval_loss"] < 20 for t in feasible)
     fastest = max(feasible, key=lambda t: t["tokens_per_s"])
     assert res["best"]["setting"] == fastest["setting"]
     table = format_table(trials)
@@ -40,3 +42,17 @@ def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parque
     # a memory limit below every trial's peak makes every setting infeasible
     low = tune_budgets(base, settings[:1], str(tmp_path / "tune_low"), memory_limit_mb=1.0, warmup_steps=1, steps=1)
     assert low["best"] is None and low["trials"][0]["status"] == "over_memory"
+
+
+def test_pick_best_by_metric():
+    from ray_mmbatch.run.tune import pick_best
+
+    nan = float("nan")
+    trials = [{"setting": {"k": 1}, "feasible": True, "tokens_per_s": 10.0, "eval_loss": 3.0, "final_loss": 2.0},
+              {"setting": {"k": 2}, "feasible": True, "tokens_per_s": 20.0, "eval_loss": 4.0, "final_loss": 1.0},
+              {"setting": {"k": 3}, "feasible": False, "tokens_per_s": 99.0, "eval_loss": 0.1, "final_loss": 0.1},
+              {"setting": {"k": 4}, "feasible": True, "tokens_per_s": 5.0, "eval_loss": nan, "final_loss": 9.0}]
+    assert pick_best(trials)["setting"] == {"k": 2}
+    assert pick_best(trials, "eval_loss")["setting"] == {"k": 1}
+    assert pick_best(trials, "final_loss")["setting"] == {"k": 2}
+    assert pick_best(trials[2:3], "eval_loss") is None

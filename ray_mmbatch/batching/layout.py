@@ -44,6 +44,11 @@ def mask_samples(batch: dict[str, Any], keep: np.ndarray) -> dict[str, Any]:
     return b
 
 
+def patch_dim(image_cfg) -> int:
+    """Values per patch row of a batch: temporal x 3 channels x patch x patch (data/image.patchify)."""
+    return int(image_cfg.temporal_patch_size) * 3 * int(image_cfg.patch_size) ** 2
+
+
 def filler_batch(patch_dim: int) -> dict[str, Any]:
     """A 2-token text-only pack with no targets, for a rank that never received a batch."""
     return {"mode": "pack", "input_ids": np.zeros((1, 2), np.int32), "labels": np.full((1, 2), IGNORE_INDEX, np.int32),

@@ -32,6 +32,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="peak memory allowed (GPU memory on GPU, worker RSS on CPU)")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps not measured in each trial")
     p.add_argument("--steps", type=int, default=4, help="measured steps per trial")
+    p.add_argument("--metric", default="tokens_per_s", choices=("tokens_per_s", "eval_loss", "final_loss"),
+                   help="what picks the best feasible trial (eval_loss: needs --eval-split / --eval-data)")
     add_console_flags(p)
     return p
 
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
 
     quiet_ray(args.verbose)
     cfg = config_from_args(args)
+    if args.metric == "eval_loss" and not (cfg.data.eval_split or cfg.data.eval_data):
+        print("[tune] error: --metric eval_loss needs a held-out set: --eval-split F or --eval-data PATH",
+              file=sys.stderr, flush=True)
+        return 2
     ensure_demo_data(cfg)  # same demo data as the train command
     try:
         preflight(cfg)
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print(f"[tune] {len(settings)} trials, {args.warmup_steps}+{args.steps} steps each -> {Path(args.out).resolve()}",
           flush=True)
     res = tune_budgets(cfg, settings, args.out, args.memory_limit_mb, args.warmup_steps, args.steps,
-                       verbose=args.verbose)
+                       verbose=args.verbose, metric=args.metric)
     print(format_table(res["trials"]))
     if res["best"] is None:
         print("no feasible setting: raise --memory-limit-mb or lower the budgets", file=sys.stderr)

@@ -22,7 +22,7 @@ from ray_mmbatch.data.errors import decode_skips
 
 
 def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1),
-              epoch: int = 0) -> Iterator[dict[str, Any]]:
+              epoch: int = 0, split=None) -> Iterator[dict[str, Any]]:
     from ray_mmbatch.dataflow.stages import epoch_unit_order
     from ray_mmbatch.formats.end_of_stream import with_end_unit
     from ray_mmbatch.formats.units import read_units, read_with_position
@@ -33,7 +33,7 @@ def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1),
     units = [dict(units[i], **{S.UNIT: i}) for k, i in enumerate(order) if k % count == index]  # global unit ids
     units = with_end_unit(units, end_marker)
     for unit in units:
-        yield from read_with_position(pa.Table.from_pylist([unit]), read_fn, kwargs).to_pylist()
+        yield from read_with_position(pa.Table.from_pylist([unit]), read_fn, kwargs, split=split).to_pylist()
 
 
 def _chunks(rows: Iterator[dict[str, Any]], size: int) -> Iterator[dict[str, list]]:
@@ -53,18 +53,19 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 
 def _measured_rows(cfg: Config, end_marker: bool, payloads, shard: tuple[int, int] = (0, 1),
-                   epoch: int = 0) -> Iterator[dict]:
+                   epoch: int = 0, split=None) -> Iterator[dict]:
     from ray_mmbatch.dataflow.stages import MeasureStage
 
     stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch)
-    for batch in _chunks(_raw_rows(cfg, end_marker, shard, epoch), max(1, cfg.data.measure_batch)):
+    for batch in _chunks(_raw_rows(cfg, end_marker, shard, epoch, split), max(1, cfg.data.measure_batch)):
         out = stage(batch)
         n = len(out[S.SAMPLE_ID])
         yield from ({k: v[i] for k, v in out.items()} for i in range(n))
 
 
 def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
-                  with_skips: bool = False, shard: tuple[int, int] = (0, 1)) -> Iterator[dict[str, Any]]:
+                  with_skips: bool = False, shard: tuple[int, int] = (0, 1),
+                  split: str = "train") -> Iterator[dict[str, Any]]:
     """Collated batches (as a Train worker receives them) for ``cfg``; ``limit`` stops after that many.
 
     The config goes through ``models.configure`` first (a checkpoint's image / text settings).
@@ -73,10 +74,13 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     worker's share; each shard shuffles and plans its own stream, so batches differ from a
     single stream's). Unsharded, the order and batches equal the Ray path's (deterministic mode):
     the same unit order, shuffle buffer and windows (batching/shuffle.py).
+    ``split="eval"``: the held-out set instead (--eval-data, or the --eval-split side of --data;
+    data/split.py), unshuffled; "train" leaves the --eval-split ids out, as training does.
     """
     if not (0 <= shard[0] < shard[1]):
         raise ValueError(f"shard must be (index, count) with 0 <= index < count, got {shard!r}")
     from ray_mmbatch.batching.collate import decode_batch
+    from ray_mmbatch.data.split import eval_source, has_eval, train_split
     from ray_mmbatch.dataflow.payload_store import LocalPayloads
     from ray_mmbatch.dataflow.stages import (
         CarryPlanStage,
@@ -88,6 +92,14 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     from ray_mmbatch.models import configure, token_ids
 
     cfg = configure(copy.deepcopy(cfg))
+    if split == "eval":
+        if not has_eval(cfg.data):
+            raise ValueError("split='eval' needs --eval-data or --eval-split")
+        cfg, read_split = eval_source(cfg)
+    elif split == "train":
+        read_split = train_split(cfg.data)
+    else:
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not cfg.data.path:
         raise ValueError("local_batches needs cfg.data.path (a Parquet / WebDataset / LLaVA dataset)")
     stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
@@ -96,7 +108,8 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     payloads = LocalPayloads()
     materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"], payloads)
     done = 0
-    measured = _measured_rows(cfg, end_marker=stateful, payloads=payloads, shard=shard, epoch=epoch)
+    measured = _measured_rows(cfg, end_marker=stateful, payloads=payloads, shard=shard, epoch=epoch,
+                              split=read_split)
     for window in _chunks(measured, max(1, cfg.budget.window)):
         plans = planner(window) if stateful else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):

@@ -84,12 +84,14 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     what this epoch trained already, left out at read.
     ``payloads``: LIGHT rows out, the measured rows left in that store (see MeasureStage).
     """
+    from ray_mmbatch.data.split import train_split
     from ray_mmbatch.dataflow.read import read_raw
     from ray_mmbatch.formats.units import read_units
 
     reader = reader or read_units(cfg.data.path, cfg.data)
     order = epoch_unit_order(len(reader[0]), cfg.data, cfg.train.seed, epoch)
-    ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, reader=reader)
+    ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, reader=reader,
+                  split=train_split(cfg.data))  # --eval-split: the held-out ids are never read for training
     return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
         MeasureStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch),

@@ -29,7 +29,7 @@ def _units_dataset(units: list[dict], blocks: int | None, order: list[int] | Non
 
 def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
              order: list[int] | None = None, end_marker: bool = False, done=None,
-             reader: tuple | None = None) -> ray.data.Dataset:
+             reader: tuple | None = None, split=None) -> ray.data.Dataset:
     """A Dataset of RAW rows (schema.RAW_COLUMNS + READ_POSITION_COLUMNS) for a Parquet / WebDataset / LLaVA path.
 
     ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
@@ -37,11 +37,12 @@ def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None
     (listing indices, batching/shuffle.unit_order; None = listing order); ``end_marker``
     appends the end-of-stream row (see the module docstring); ``done`` (resume) leaves out what
     an epoch already trained (see read_with_position); ``reader``: what ``read_units`` returned,
-    when the caller listed already.
+    when the caller listed already; ``split``: one side of the held-out split (data/split.py).
     """
     units, read_fn, kwargs = reader or read_units(path, data_cfg)
     units = [dict(u, **{schema.UNIT: i}) for i, u in enumerate(units)]  # index in the sorted listing
     ds = _units_dataset(units, override_num_blocks, order, end_marker)
-    ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done},
+    ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done,
+                                                           "split": split},
                         batch_format="pyarrow", batch_size=1)
     return ds.select_columns(list(schema.RAW_COLUMNS + schema.READ_POSITION_COLUMNS))

@@ -72,12 +72,15 @@ def check_listing(position: dict | None, digest: str, path: str) -> None:
             "start a new run (another --run-name / --output-dir) to train on the new set.")
 
 
-def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -> pa.Table:
+def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None, split=None) -> pa.Table:
     """Read a table of units with ``read_fn``, appending each row's read position
     (schema.READ_POSITION_COLUMNS: the unit's index in the sorted listing, the row in it, the
     unit's row count; the end-of-stream row is unit -1). ``done`` (data.position.EpochPosition,
-    resume): finished units are not read, rows already trained are dropped here."""
+    resume): finished units are not read, rows already trained are dropped here. ``split``
+    (name, fraction): only the rows of that side of the held-out split (data/split.py)."""
     import numpy as np
+
+    from ray_mmbatch.data.split import keep_mask
 
     tables = []
     for i in range(units.num_rows):
@@ -91,6 +94,10 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None) -
              .append_column(schema.UNIT_ROW, pa.array(np.arange(n, dtype=np.int64)))
              .append_column(schema.UNIT_ROWS, pa.array(np.full(n, n, np.int64))))
         keep = done.rows_to_read(uid, n) if done is not None and uid >= 0 else None
+        side = keep_mask(split, t.column(schema.SAMPLE_ID).to_pylist(), t.column(schema.READ_ERROR).to_pylist()) \
+            if uid >= 0 else None
+        if side is not None:
+            keep = side if keep is None else keep & side
         tables.append(t if keep is None else t.filter(pa.array(keep)))
     if not tables:
         empty = rows_to_table([])

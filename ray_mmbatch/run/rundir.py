@@ -10,6 +10,8 @@ Every file a run writes under ``--output-dir`` is named here and nowhere else::
     ledger/rank<r>.jsonl    the sample ids of every trained batch (train.ledger, for tests)
     stopped.json            the skip guard stopped the run (guards.py)
     latest_checkpoint.json  rank 0's pointer to its newest checkpoint and data position
+    eval.jsonl              the held-out loss of each evaluation (--eval-split / --eval-data)
+    eval_ids.jsonl          the held-out sample ids (one record per rank; a resumed run adds them again)
     model/                  the trained model in its family's format (export)
     tensorboard/            TensorBoard event files (--report-to tensorboard, run/trackers.py)
     adapter/                a LoRA run's PEFT adapter (PeftModel.from_pretrained(base, adapter/))
@@ -44,6 +46,8 @@ class RunDir:
     LATEST = "latest_checkpoint.json"
     EXPORT = "model"
     ADAPTER = "adapter"  # a LoRA run's PEFT adapter (models/trainable.py)
+    EVAL = "eval.jsonl"  # one record per evaluation: step, eval_loss, eval_samples, eval_target_tokens
+    EVAL_IDS = "eval_ids.jsonl"  # the held-out sample ids, one record per rank
     RAY_STORAGE = "ray_storage"
     REPORT_HTML = "report.html"
     REPORT_JSON = "report.json"
@@ -125,7 +129,8 @@ class RunWriter:
       ("stopped", record)       the skip guard stopped the run (RunDir.STOPPED)
     """
 
-    FILES = {"metrics": RunDir.METRICS, "batches": RunDir.BATCHES, "skipped": RunDir.SKIP_LOG}
+    FILES = {"metrics": RunDir.METRICS, "batches": RunDir.BATCHES, "skipped": RunDir.SKIP_LOG, "eval": RunDir.EVAL,
+             "eval_ids": RunDir.EVAL_IDS}
 
     def __init__(self, out: str | Path):
         self.dir = Path(out)
@@ -168,5 +173,5 @@ class RunWriter:
         for p in self._logs():
             if step == 0:
                 p.unlink(missing_ok=True)
-            elif p.exists() and p != self.path("skipped"):
+            elif p.exists() and p not in (self.path("skipped"), self.path("eval_ids")):
                 write_jsonl(p, [r for r in read_jsonl(p) if r.get("step", 0) <= step])

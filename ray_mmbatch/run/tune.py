@@ -47,6 +47,7 @@ def _trial_metrics(out_dir: Path, warmup_steps: int) -> dict[str, float]:
         "fill": end["total_real_tokens"] / end["total_padded_tokens"] if end["total_padded_tokens"] else 0.0,
         "peak_mem_mb": max(r["peak_mem_mb"] for r in rows),
         "final_loss": end["loss"],
+        **({"eval_loss": evals[-1]["eval_loss"]} if (evals := read_jsonl(out_dir / RunDir.EVAL)) else {}),
     }
 
 
@@ -77,7 +78,8 @@ def run_trial(params: dict[str, Any]) -> None:
         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
         result.update(status="oom" if "memory" in msg.lower() else "failed", error=msg[-500:])
     figures = _trial_metrics(out, params["warmup_steps"]) if (out / RunDir.METRICS).exists() else {}
-    result.update({"tokens_per_s": 0.0, "fill": 0.0, "peak_mem_mb": 0.0, "final_loss": float("nan"), **figures})
+    result.update({"tokens_per_s": 0.0, "fill": 0.0, "peak_mem_mb": 0.0, "final_loss": float("nan"),
+                   "eval_loss": float("nan"), **figures})
     if result["status"] == "ok" and result["peak_mem_mb"] > params["memory_limit_mb"]:
         result["status"] = "over_memory"
     result["feasible"] = result["status"] == "ok"
@@ -101,11 +103,26 @@ class _TrialLines(tune.Callback):
               flush=True)
 
 
+METRICS = {"tokens_per_s": max, "eval_loss": min, "final_loss": min}  # what --metric ranks by, and which way
+
+
+def pick_best(trials: list[dict[str, Any]], metric: str = "tokens_per_s") -> dict[str, Any] | None:
+    """The best feasible trial by ``metric`` (most tokens/s, least eval or final loss); None if none scored."""
+    scored = [t for t in trials if t.get("feasible") and t.get(metric) is not None and t[metric] == t[metric]]
+    return METRICS[metric](scored, key=lambda t: t[metric]) if scored else None  # (NaN != NaN: not scored)
+
+
 def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, memory_limit_mb: float,
-                 warmup_steps: int = 2, steps: int = 4, verbose: bool = True) -> dict[str, Any]:
+                 warmup_steps: int = 2, steps: int = 4, verbose: bool = True,
+                 metric: str = "tokens_per_s") -> dict[str, Any]:
     """One trial per setting; return {"trials": [...], "best": trial or None, "best_config": Config}.
 
-    ``verbose=False``: one line per trial instead of Tune's status tables."""
+    ``metric``: what picks the best feasible trial (METRICS; eval_loss needs --eval-split or
+    --eval-data). ``verbose=False``: one line per trial instead of Tune's status tables."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
+    if metric == "eval_loss" and not (base.data.eval_split or base.data.eval_data):
+        raise ValueError("--metric eval_loss needs a held-out set: --eval-split F or --eval-data PATH")
     from ray_mmbatch.train.trainer import connect
 
     connect()
@@ -133,11 +150,11 @@ def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, mem
         m = r.metrics or {}
         setting = r.config["setting"]
         trials.append({"setting": setting, **{k: m.get(k) for k in
-                       ("tokens_per_s", "peak_mem_mb", "fill", "final_loss", "status", "feasible", "error")}})
+                       ("tokens_per_s", "peak_mem_mb", "fill", "final_loss", "eval_loss", "status", "feasible",
+                        "error")}})
         if m.get("status") is None:  # the function itself died before reporting
             trials[-1].update(status="failed", feasible=False, error=str(r.error)[-500:])
-    feasible = [t for t in trials if t["feasible"]]
-    best = max(feasible, key=lambda t: t["tokens_per_s"]) if feasible else None
+    best = pick_best(trials, metric)
     best_cfg = copy.deepcopy(base)
     if best:
         apply_overrides(best_cfg, best["setting"])

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ray_mmbatch import schema as S
-from ray_mmbatch.batching.layout import filler_batch, mask_samples, zero_target
+from ray_mmbatch.batching.layout import filler_batch, mask_samples, patch_dim, zero_target
 from ray_mmbatch.config import Config, apply_overrides, flatten
 from ray_mmbatch.data.errors import decode_skips
 from ray_mmbatch.data.position import DataPosition
@@ -105,6 +105,11 @@ class Runner:
         from ray_mmbatch.models.trainable import param_counts
 
         self.param_counts = param_counts(model)  # trainable_params / total_params (--freeze, --lora-rank)
+        from ray_mmbatch.data.split import has_eval
+
+        self.has_eval = has_eval(cfg.data)
+        self.eval_loss: float | None = None  # from an evaluation since the last report (train/evaluate.py)
+        self.eval_ids_sent = False
         self.aborted = ""  # why the skip guard stopped the run ("" = it did not)
         self.window: dict[str, float] = {}
 
@@ -170,19 +175,42 @@ class Runner:
                     self.last_batch = micro[-1][0]
                     batches = [b for b, _ in micro]
                 else:  # ran dry: a step with no targets joins the others' gradient all-reduce
-                    batches = [zero_target(self.last_batch or filler_batch(3 * self.cfg.image.patch_size ** 2))]
+                    batches = [zero_target(self.last_batch or filler_batch(patch_dim(self.cfg.image)))]
                 out = self._optimizer_step(self.model, batches, self.opt, self.sched, tcfg, self.device)
                 self.step += 1
                 self._account(micro, out, t_data, time.perf_counter() - t0)
                 self._fault_drill()
                 ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
-                if (ck or self.step % tcfg.report_every == 0) and not self._at_max_steps():  # the end reports below
+                ev = self.has_eval and bool(tcfg.eval_every) and self.step % tcfg.eval_every == 0 \
+                    and not self._at_max_steps()  # the end evaluates below
+                if ev:
+                    self.evaluate()
+                if (ck or ev or self.step % tcfg.report_every == 0) and not self._at_max_steps():
                     self.report(time.perf_counter() - last_report, checkpoint=ck)
                     last_report = time.perf_counter()
         if not self.aborted and not self._at_max_steps():
             self._guard(guard, at_end=True)  # a dataset smaller than the guard's minimum is judged whole
+        if self.has_eval and not self.aborted:
+            self.evaluate()
         # a stopped run leaves no checkpoint: rerun with the fix, its skipped rows must be read again
         self.report(time.perf_counter() - last_report, checkpoint=not self.aborted, final=True)
+
+    def evaluate(self) -> None:
+        """The held-out loss now (train/evaluate.py: every rank, each eval sample once); to eval.jsonl
+        and the next report's metrics."""
+        from ray_mmbatch.train.evaluate import evaluate
+        from ray_mmbatch.train.step import autocast_dtype
+
+        out = evaluate(self.model, self.cfg, self.rank, self.world, self.device,
+                       autocast_dtype(self.cfg.train.precision, self.device))
+        self.eval_loss = out["eval_loss"]
+        if not self.eval_ids_sent:  # the same ids every time: the split is a hash of the id
+            self.files.append("eval_ids", {"rank": self.rank, "ids": out["ids"]})
+            self.eval_ids_sent = True
+        if self.rank == 0:
+            self.files.append("eval", {"step": self.step, "eval_loss": out["eval_loss"],
+                                       "eval_samples": out["eval_samples"],
+                                       "eval_target_tokens": out["eval_target_tokens"]})
 
     def _guard(self, guard: list[int], at_end: bool) -> bool:
         """Stop (all ranks agree: the counts are all-reduced) when too many samples are skipped;
@@ -266,8 +294,10 @@ class Runner:
             "progress": self.samples_seen / self.planned_samples if self.planned_samples else None,
             "aborted": self.aborted,
             **self.param_counts,
+            **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
             **{f"total_{k}": v for k, v in t.items()},
         }
+        self.eval_loss = None
         if g["steps"]:
             self.files.append("metrics", metrics)
         # only the delta travels: each rank's positions since the last report (8 bytes a sample)

@@ -119,7 +119,10 @@ def planned_samples(cfg: Config) -> int:
 
     if cfg.train.max_steps:
         return 0
-    return max(1, cfg.train.epochs) * count_samples(cfg.data.path, cfg.data)
+    from ray_mmbatch.data.split import train_split
+
+    held = train_split(cfg.data)  # --eval-split: about that share of the rows is never trained
+    return max(1, cfg.train.epochs) * round(count_samples(cfg.data.path, cfg.data) * (1 - (held[1] if held else 0)))
 
 
 def _worker_resources(cfg: Config) -> dict[str, float]:
@@ -274,6 +277,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "budget": cfg.to_dict()["budget"],
         "config": cfg.to_dict(),
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "eval_loss": m.get("eval_loss"),  # the held-out loss at the end (--eval-split / --eval-data)
         "trainable_params": m.get("trainable_params"),
         "total_params": m.get("total_params"),
     }
