@@ -171,6 +171,8 @@ class WandbTracker:
             self.run = wandb.init(
                 project=None if os.environ.get("WANDB_PROJECT") else "ray_mmbatch",
                 name=None if os.environ.get("WANDB_NAME") else run_name, config=config,
+                # read now: wandb keeps the first run's settings in the process (a notebook's second run)
+                dir=os.environ.get("WANDB_DIR") or None, mode=os.environ.get("WANDB_MODE") or None,
                 settings=wandb.Settings(console="off"))  # the driver's console stays as it is
         else:
             self.run = wandb.run
