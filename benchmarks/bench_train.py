@@ -250,10 +250,11 @@ class StrategyRun:
     """One strategy's model, optimizer, batches and per-step measurements."""
 
     def __init__(self, name: str, batches: list[dict], cfg: Config, make_model, max_tokens: int | None,
-                 budget_s: float):
+                 budget_s: float, trainable: str = ""):
         self.name, self.batches, self.cfg = name, batches, cfg
         self.max_tokens, self.budget_s = max_tokens, budget_s
         self.model = make_model()
+        self.trainable = apply_trainable(self.model, cfg, trainable)
         self.opt, self.sched = build_optimizer(self.model, cfg.train, 10 * len(batches))
         self.step_s, self.trained, self.losses, self.peak_rss, self.step_rss = [], [], [], 0.0, 0.0
         self.attend = None   # set for pack_tmask: the model's attention function for this run only
@@ -305,7 +306,37 @@ class StrategyRun:
             "largest_batch": f"{shape[0]}x{shape[1]}", "largest_batch_tokens": shape[0] * shape[1],
             "peak_rss_mb": self.peak_rss, "peak_step_rss_growth_mb": self.step_rss,
             "final_loss": float(np.mean(self.losses[-5:])),
+            **self.trainable,
         }
+
+
+TRAINABLE = {"full": {}, "lora": {"lora_rank": 8, "lora_alpha": 16.0}, "freeze_vision": {"freeze": "vision"}}
+
+
+def apply_trainable(model, cfg: Config, which: str) -> dict:
+    """``+lora`` / ``+freeze_vision`` (models/trainable.py) on a fresh model; its parameter counts and
+    what a checkpoint of it holds: the full state dict (today's checkpoints) and, for LoRA, the adapter."""
+    import copy
+    import io
+
+    from ray_mmbatch.models.trainable import configure_trainable, lora_state_dict
+
+    if which not in TRAINABLE:
+        raise SystemExit(f"unknown trainable setting {which!r}; choose from {sorted(TRAINABLE)}")
+    c = copy.deepcopy(cfg)
+    for k, v in TRAINABLE[which].items():
+        setattr(c.model, k, v)
+    counts = configure_trainable(model, c)
+
+    def mb(sd: dict) -> float:
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        return buf.tell() / 2**20
+
+    out = {"trainable": which, **counts, "checkpoint_mb": mb(model.state_dict())}
+    if which == "lora":
+        out["adapter_mb"] = mb(lora_state_dict(model))
+    return out
 
 
 def run_interleaved(runs: list[StrategyRun]) -> list[dict]:
@@ -334,6 +365,12 @@ def _table(results: list[dict], base: dict) -> str:
             f"{r['step_s_median']:>8.2f}/{r['step_s_max']:<7.2f}{r['largest_batch']:>12}"
             f"{r['peak_rss_mb']:>8.0f} (+{r['peak_step_rss_growth_mb']:.0f})"
             f"{r['real_tokens_per_s'] / base['real_tokens_per_s']:>8.2f}x")
+    if any(r.get("trainable", "full") != "full" for r in results):  # +lora / +freeze_vision runs
+        lines.append(f"{'what trains':<34}{'trainable':>12}{'total':>12}{'checkpoint MB':>15}{'adapter MB':>12}")
+        for r in results:
+            adapter = f"{r['adapter_mb']:.2f}" if "adapter_mb" in r else "-"
+            lines.append(f"{r['strategy']:<34}{r['trainable_params']:>12,}{r['total_params']:>12,}"
+                         f"{r['checkpoint_mb']:>15.2f}{adapter:>12}")
     return "\n".join(lines)
 
 
@@ -353,7 +390,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--strategies", default="pack,pad,fixed32",
                    help="comma list of pack, pad, fixed32, pack@N / pad@N (budget N >= --max-tokens, same samples), "
                         "pack_tmask (pack on the pre-bucket T x T mask path), pad_mask (pad on the explicit "
-                        "[B,1,L,L] mask path)")
+                        "[B,1,L,L] mask path); a suffix +lora / +freeze_vision / +full sets what trains "
+                        "(pack+lora: LoRA r=8 on the language model's linear layers; +freeze_vision: --freeze vision)")
     p.add_argument("--budget-s", type=float, default=40.0, help="step-time budget of pack and of pad (s)")
     p.add_argument("--fixed-budget-s", type=float, default=100.0,
                    help="step-time budget of fixed32 (s; its steps take ~30 s, so it needs more for a stable rate)")
@@ -405,6 +443,11 @@ def run_benchmark(args, tmp: str, wall: float) -> dict:
     plans["pack_tmask"] = lambda: ("pack, T x T mask (before buckets)", *plans["pack"]()[1:])
     plans["pad_mask"] = lambda: ("pad, [B,1,L,L] mask (before is_causal)", *plans["pad"]()[1:])
     for key in wanted:  # pack@N / pad@N: the same samples planned to a larger budget N, in the same run
+        base_key, _, train = key.partition("+")  # pack+lora, pad+freeze_vision: what trains (models/trainable.py)
+        if train and base_key in plans:
+            plans[key] = lambda base_key=base_key, train=train: (f"{plans[base_key]()[0]} [{train}]",
+                                                                 *plans[base_key]()[1:])
+            continue
         mode, _, n = key.partition("@")
         if mode in ("pack", "pad") and n.isdigit():
             plans[key] = lambda mode=mode, n=int(n): budget_plan(mode, n)
@@ -417,7 +460,8 @@ def run_benchmark(args, tmp: str, wall: float) -> dict:
     for key in wanted:
         name, batches, max_tokens = plans[key]()
         budget = args.fixed_budget_s if key == "fixed32" else args.budget_s
-        runs.append(StrategyRun(name, batches, cfg, make_model, max_tokens, budget))
+        runs.append(StrategyRun(name, batches, cfg, make_model, max_tokens, budget,
+                                key.partition("+")[2] or "full"))
         if key == "pack_tmask":
             runs[-1].attend = attend_block_mask
         if key == "pad_mask":
