@@ -222,9 +222,10 @@ def test_cli_refuses_a_missing_tracker_before_any_work(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env, tmp_path):
-    """`ray-mmbatch train --report-to tensorboard,mlflow,wandb` with a worker killed after step 7: the
-    restore to step 4's checkpoint reports step 6 again. Every tracker has the loss of every
-    reported step; TensorBoard shows what metrics.jsonl keeps, MLflow and W&B step 6 twice."""
+    """`ray-mmbatch train --report-to tensorboard,mlflow,wandb` with a held-out set and a worker killed
+    after step 7: the restore to step 4's checkpoint reports step 6 again. Every tracker has the loss
+    of every reported step and the eval loss where there is one; TensorBoard shows what
+    metrics.jsonl keeps, MLflow and W&B step 6 twice."""
     from ray_mmbatch.commands.train import main
     from ray_mmbatch.synthetic.generate import generate_dataset
 
@@ -232,24 +233,31 @@ def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env,
     generate_dataset(str(data), 64, "parquet", seed=3, shard_size=64, bad_per_kind=1)
     rc = main(["--data", str(data), "--output-dir", str(out), "--max-tokens", "1024", "--window", "32",
                "--max-steps", "8", "--report-every", "2", "--checkpoint-every", "4", "--set", "train.fault_at_step=7",
-               "--verbose", "--report-to", "tensorboard,mlflow,wandb"])
+               "--eval-split", "0.2", "--eval-every", "4", "--verbose", "--report-to", "tensorboard,mlflow,wandb"])
     assert rc == 0 and (out / RunDir.FAULT_DRILL).exists()
-    kept = [(r["step"], r["loss"]) for r in read_jsonl(out / RunDir.METRICS)]  # after the restore's trim
+    records = read_jsonl(out / RunDir.METRICS)  # after the restore's trim
+    kept = [(r["step"], r["loss"]) for r in records]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    assert [s for s, _ in evals] == [4, 8]
     assert [s for s, _ in kept] == [2, 4, 6, 8] and all(math.isfinite(v) for _, v in kept)
     skipped = json.loads((out / RunDir.SUMMARY).read_text())["skipped_total"]
     assert skipped > 0
 
     tb = tb_scalars(out)
     assert tb["loss"] == [(s, pytest.approx(v)) for s, v in kept]
+    assert tb["eval_loss"] == [(s, pytest.approx(v)) for s, v in evals]
     assert tb["skipped_total"][-1] == (8, skipped) and {"lr", "tokens_per_s", "fill", "peak_mem_mb"} <= set(tb)
 
     client, run = mlflow_run(tmp_path)
     history = sorted((m.step, m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, "loss"))
     assert [s for s, _, _ in history] == [2, 4, 6, 6, 8]  # step 6 before the fault and again after the restore
     assert [(s, v) for i, (s, _, v) in enumerate(history) if i != 2] == [(s, pytest.approx(v)) for s, v in kept]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "eval_loss")) == \
+        [(s, pytest.approx(v)) for s, v in evals]
     assert run.data.params["train.max_steps"] == "8" and run.info.status == "FINISHED"
     assert run.info.run_name == "run" and run.data.tags["ray_mmbatch.restored_to_step"] == "4"
 
     rows = wandb_history(wandb_records(tmp_path))
     assert [r["step"] for r in rows] == [2, 4, 6, 6, 8]
     assert [(r["step"], r["loss"]) for i, r in enumerate(rows) if i != 2] == [(s, pytest.approx(v)) for s, v in kept]
+    assert [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r] == [(s, pytest.approx(v)) for s, v in evals]
