@@ -63,7 +63,9 @@ _FORMAT_ALIASES = {"MPO": "JPEG"}
 # ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad;
 # InternVL's tiles (see tile_canvas); Gemma 3's plain bilinear resize to the square (aspect not kept, no crop).
 RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles", "squash")
-_FIXED_MODES = frozenset({"fixed", "fixed_pad", "squash"})
+_FIXED_MODES = frozenset({"fixed", "fixed_pad", "squash", "global"})
+# resize='global': Idefics3 / SmolVLM with do_image_splitting off (see global_resize); HF's MAX_IMAGE_SIZE
+_IDEFICS3_MAX_SIDE = 4096
 # PNG chunks that can carry EXIF / XMP orientation (Pillow reads those after IDAT only on load()).
 _PNG_LATE_METADATA = (b"eXIf", b"tEXt", b"zTXt", b"iTXt")
 
@@ -324,6 +326,8 @@ def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
         img = _pad_to_square(_rgb_or_skip(img), cfg.image_mean)
     if cfg.resize == "tiles":
         return _tiles(_rgb_or_skip(img), full_hw, out_hw, cfg)
+    if cfg.resize == "global":
+        return _global(_rgb_or_skip(img), full_hw, cfg)
     size_hw = _target_hw(full_hw, out_hw, cfg)
     wh = (size_hw[1], size_hw[0])
     gap = 3.0 if cfg.fast_decode else None
@@ -356,6 +360,36 @@ def _tiles(rgb: Image.Image, full_hw: tuple[int, int], out_hw: tuple[int, int], 
     if n > 1:
         tiles.append(np.asarray(rgb.resize((side, side), Image.Resampling.BICUBIC, reducing_gap=gap), dtype=np.uint8))
     return np.ascontiguousarray(np.concatenate(tiles)) if n > 1 else tiles[0]
+
+
+def longest_edge_size(height: int, width: int, longest: int) -> tuple[int, int]:
+    """HF Idefics3 ``get_resize_output_image_size``, formula for formula: the longest edge to ``longest`` (up or
+    down), the other kept to the aspect, truncated and made even, then both under HF's MAX_IMAGE_SIZE (4096)."""
+    aspect = width / height
+    if width >= height:
+        width, height = longest, int(longest / aspect)
+        height += height % 2
+    else:
+        height, width = longest, int(longest * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > _IDEFICS3_MAX_SIDE:
+        width, height = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE / aspect)
+    elif height > width and height > _IDEFICS3_MAX_SIDE:
+        height, width = _IDEFICS3_MAX_SIDE, int(_IDEFICS3_MAX_SIDE * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def _global(rgb: Image.Image, full_hw: tuple[int, int], cfg: ImageConfig) -> np.ndarray:
+    """resize='global', HF Idefics3 / SmolVLM PIL processor with ``do_image_splitting=False``: Lanczos to the
+    longest edge max_tiles * image_size (``size['longest_edge']``, aspect kept, see longest_edge_size), then
+    Lanczos again to image_size x image_size (``max_image_size``): two resizes, as HF, on uint8."""
+    gap = 3.0 if cfg.fast_decode else None
+    h, w = longest_edge_size(*full_hw, cfg.max_tiles * cfg.image_size)
+    first = rgb.resize((w, h), Image.Resampling.LANCZOS, reducing_gap=gap)
+    side = cfg.image_size
+    return np.asarray(first.resize((side, side), Image.Resampling.LANCZOS, reducing_gap=gap), dtype=np.uint8)
 
 
 def _rgb_or_skip(img: Image.Image) -> Image.Image:

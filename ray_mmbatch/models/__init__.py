@@ -41,6 +41,7 @@ REGISTRY: dict[str, str] = {
     "llava": "ray_mmbatch.models.llava",
     "gemma3": "ray_mmbatch.models.gemma3",
     "internvl": "ray_mmbatch.models.internvl",
+    "idefics3": "ray_mmbatch.models.idefics3",
 }
 
 

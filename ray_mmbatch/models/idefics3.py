@@ -1,0 +1,229 @@
+"""Idefics3 / SmolVLM backend (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``).
+
+What is exact here: the processor with ``do_image_splitting=False``. Each image becomes ONE
+S x S view (S = ``max_image_size``): HF's PIL image processor resizes it (Lanczos) so that its
+longest edge is ``size['longest_edge']`` (aspect kept, the other side truncated and made even,
+1 x 1 images blown up too), then resizes that (Lanczos again) to S x S: data/image.py
+resize='global' (``longest_edge_size``, ``_global``), with image.max_tiles = longest_edge / S.
+The SigLIP tower gives (S/ps)**2 patches that pixel-shuffle by ``scale_factor`` into
+N = (S/ps)**2 / scale_factor**2 LM tokens (``image_seq_len``: 64 for SmolVLM at 512 px, 169 for
+Idefics3 at 364 px), so the cost model is a fixed grid (1, S/ps, S/ps) with merge_size =
+scale_factor. Text: the chat template writes ``<image>`` per image, which the processor replaces
+(``_prompt_single_image``) by ``<fake_token_around_image><global-img>`` + ``<image>`` x N +
+``<fake_token_around_image>``: ``configure`` sets ``text.image_block`` to that, and materialize
+repeats the image token N times: the processor's ids.
+
+Refused, with the reason: **image splitting** (``do_image_splitting=true``, the checkpoints'
+default). The processor then cuts the (multiple-of-S) resized image into rows x cols S x S
+sub-images plus the global view, and writes ``<fake_token_around_image><row_i_col_j>`` before
+each sub-image's tokens, a newline after each row and ``\\n<fake_token_around_image><global-img>``
+before the global view's: a text block that depends on the image's grid, where the data path's
+``text.image_block`` is one fixed text per image (the encoder renders it before knowing the
+grid; measure / materialize repeat one token). Splitting needs a per-image block (row / col ids
+spliced in at measure, one image token per sub-image expanded at materialize); not landed yet.
+Run a splitting checkpoint with ``image.resize='global'`` to train it as HF's processor with
+``do_image_splitting=False`` (what SmolVLM uses for video frames), exactly.
+
+Forward inputs (``adapter``), on the batch layout of batching/collate.py::
+
+    pixel_values         [1, n_images, 3, S, S]  every image of the batch, in sample order then
+                         image order: uint8 patches -> (x/255 - mean)/std -> un-patchified. HF
+                         flattens (batch, image) and scatters the images' tokens into the
+                         ``<image>`` tokens in row-major order, so one leading dimension of 1
+                         puts the images of sample i on sample i's tokens in pack and pad mode.
+                         HF drops an all-zero image as padding: a real view never is one here
+                         (configure refuses a mean that a uniform image normalizes to 0)
+    pixel_attention_mask [1, n_images, S, S] all ones (no view is padded inside)
+    pack                 position_ids [1, T] restarting at 0 per sample, NO attention_mask (the
+                         Llama mask builder finds the samples from the position ids); on flash
+                         attention cu_seq_lens / max_length explicitly (hf_common.varlen_kwargs)
+    pad                  attention_mask [B, L] + position_ids 0..L-1
+
+Importing this module imports no torch (the registry imports every backend to read MODEL_TYPES).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ray_mmbatch.models import hf_fsdp_units, hf_state_prefix
+
+NAME = "idefics3"
+MODEL_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")
+
+_LANCZOS = 1  # PIL.Image.Resampling.LANCZOS: the Idefics3 / SmolVLM processors' resample
+_MEAN = _STD = (0.5, 0.5, 0.5)  # their defaults (IMAGENET_STANDARD_*)
+_PROCESSOR_TYPES = ("Idefics3ImageProcessor", "Idefics3ImageProcessorFast", "Idefics3ImageProcessorPil",
+                    "SmolVLMImageProcessor", "SmolVLMImageProcessorFast", "SmolVLMImageProcessorPil")
+_SPLITTING = ("image splitting (do_image_splitting=true) is not supported yet: the processor's text block per "
+              "image (<row_i_col_j> per sub-image, newlines per row, then the global view) depends on the image's "
+              "grid, and the data path writes one fixed text block per image; set image.resize='global' to train "
+              "it as HF's processor with do_image_splitting=False (one global view per image), exactly")
+
+
+def _longest(value, where: str) -> int:
+    if isinstance(value, dict) and value.get("longest_edge"):
+        return int(value["longest_edge"])
+    raise ValueError(f"{where}: {value!r} is not {{'longest_edge': L}} (the Idefics3 / SmolVLM resize)")
+
+
+def _pixel_settings(pre: dict, where: str) -> dict:
+    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    if not pre:
+        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
+                                "the Idefics3 backend takes its pixel settings from it")
+    kind = str(pre.get("image_processor_type", "Idefics3ImageProcessor"))
+    if kind not in _PROCESSOR_TYPES:
+        raise ValueError(f"{where}: image_processor_type {kind!r}; the Idefics3 backend reproduces "
+                         f"{list(_PROCESSOR_TYPES)} only")
+    for key in ("do_resize", "do_rescale", "do_convert_rgb"):
+        if pre.get(key) is False:
+            raise ValueError(f"{where}: {key}=false; the data path always does it")
+    if int(pre.get("resample", _LANCZOS)) != _LANCZOS:
+        raise ValueError(f"{where}: resample={pre.get('resample')}; only Lanczos (1) matches the data path's resize")
+    if not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
+        raise ValueError(f"{where}: rescale_factor must be 1/255")
+    mean, std = pre.get("image_mean", _MEAN), pre.get("image_std", _STD)
+    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(float(m) for m in mean)
+    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(float(s) for s in std)
+    if not pre.get("do_normalize", True):
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    if all(math.isclose(m * 255, round(m * 255)) and 0 <= round(m * 255) <= 255 for m in mean):
+        raise ValueError(f"{where}: image_mean {mean}: a uniform image of colour mean * 255 normalizes to all "
+                         "zeros, which the model drops as a padding image (its tokens then have no features)")
+    side = _longest(pre.get("max_image_size", {"longest_edge": 364}), f"{where} max_image_size")
+    longest = _longest(pre.get("size", {"longest_edge": 4 * 364}), f"{where} size")
+    if longest % side:
+        raise ValueError(f"{where}: size longest_edge {longest} is not a multiple of max_image_size {side} "
+                         "(the data path keeps it as image.max_tiles * image.image_size)")
+    return {"image_size": side, "max_tiles": longest // side, "image_mean": mean, "image_std": std,
+            "splitting": bool(pre.get("do_image_splitting", True))}
+
+
+def configure(cfg):
+    """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
+    from transformers import AutoConfig
+
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
+    from ray_mmbatch.data.text.tokenizer import token_id as id_of
+    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files, read_json
+
+    path = cfg.model.path
+    if not path:
+        raise ValueError("the idefics3 backend trains a Hugging Face checkpoint: set model.path")
+    raw, processor = checkpoint_files(path)
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not Idefics3 / SmolVLM "
+                         f"({list(MODEL_TYPES)})")
+    hf_cfg = AutoConfig.from_pretrained(path)
+    where_model, where_proc = f"{path}/config.json", f"{path}/preprocessor_config.json"
+    pixels = _pixel_settings(processor, where_proc)
+    if pixels["splitting"] and cfg.image.resize != "global":
+        raise ValueError(f"{where_proc}: {_SPLITTING}")
+    vision = hf_cfg.vision_config
+    side, patch, merge = int(vision.image_size), int(vision.patch_size), int(hf_cfg.scale_factor)
+    if side % patch or (side // patch) % merge:
+        raise ValueError(f"{where_model}: image_size {side}, patch_size {patch}, scale_factor {merge}: the view is not "
+                         "a whole number of pixel-shuffled tokens")
+    if pixels["image_size"] != side:
+        raise ValueError(f"{path}: the processor makes {pixels['image_size']} px views (max_image_size) but the vision "
+                         f"tower takes {side} px (vision_config.image_size)")
+    per_image = (side // patch // merge) ** 2
+    seq = read_json(Path(path) / "processor_config.json").get("image_seq_len", per_image)
+    if int(seq) != per_image:
+        raise ValueError(f"{path}: image_seq_len {seq} but a {side} px view makes {per_image} tokens "
+                         f"(({side}/{patch})**2 / {merge}**2)")
+
+    adopt_setting(cfg, "image.resize", "global", f"{where_proc} (Idefics3 / SmolVLM without image splitting)")
+    adopt_setting(cfg, "image.image_size", side, f"{where_model} vision_config.image_size")
+    adopt_setting(cfg, "image.patch_size", patch, f"{where_model} vision_config.patch_size")
+    adopt_setting(cfg, "image.merge_size", merge, f"{where_model} scale_factor")
+    adopt_setting(cfg, "image.max_tiles", pixels["max_tiles"], f"{where_proc} size longest_edge / max_image_size")
+    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (Idefics3: still images)")
+    for key in ("image_mean", "image_std"):
+        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
+    if not cfg.text.tokenizer:
+        cfg.text.tokenizer = path
+    tok = load_tokenizer(cfg.text.tokenizer)
+    token_id = int(hf_cfg.image_token_id)
+    image = tok.convert_ids_to_tokens(token_id)
+    fake = str(getattr(tok, "fake_image_token", None) or "<fake_token_around_image>")
+    glob = str(getattr(tok, "global_image_token", None) or "<global-img>")
+    for name, token in (("image", image), ("fake image", fake), ("global image", glob)):
+        if token is None or id_of(tok, token) is None:
+            raise ValueError(f"{cfg.text.tokenizer}: the {name} token {token!r} is not a token of the vocabulary "
+                             f"(HF's processor writes it; config.json image_token_id {token_id})")
+    source = f"{path} tokenizer, token id {token_id} (config.json image_token_id)"
+    adopt_setting(cfg, "text.image_token", image, source)
+    adopt_setting(cfg, "text.image_block", (image, f"{fake}{glob}{image}{fake}"),
+                  f"{source} (Idefics3Processor / SmolVLMProcessor, one global view)")
+    return cfg
+
+
+# ------------------------------------------------------------------ model
+def make_adapter(hf_model, image_cfg):
+    """batch (collate layout, tensors) -> kwargs of ``Idefics3Model.forward`` (see module docstring)."""
+    import torch
+
+    from ray_mmbatch.models.hf_common import varlen_kwargs
+    from ray_mmbatch.models.internvl import pixel_values
+
+    side, ps, merge = int(image_cfg.image_size), int(image_cfg.patch_size), int(image_cfg.merge_size)
+    mean, std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
+    text_config = hf_model.model.text_model.config
+
+    def adapter(batch: dict) -> dict:
+        kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        if batch["mode"] == "pad":
+            kwargs["attention_mask"] = batch["attention_mask"]
+        elif batch["mode"] == "pack":
+            kwargs.update(varlen_kwargs(batch, text_config))
+        else:
+            raise ValueError(f"unknown batch mode {batch['mode']!r}")
+        patches = batch.get("patches")
+        if patches is not None and patches.shape[0]:
+            # one S x S view per image: InternVL's stacked-tile layout with one tile each
+            x = pixel_values(patches, batch["image_grid_thw"], side, ps, merge, mean, std)
+            kwargs["pixel_values"] = x.to(hf_model.model.vision_model.dtype)[None]
+            kwargs["pixel_attention_mask"] = torch.ones((1, x.shape[0], side, side), dtype=torch.bool,
+                                                        device=x.device)
+        return kwargs
+
+    return adapter
+
+
+def _vision_modules(hf_model) -> list:
+    return [hf_model.model.vision_model, hf_model.model.connector]
+
+
+def vision_modules(model) -> list:
+    """The vision tower and connector of the HFModel: a batch without images does not run them."""
+    return _vision_modules(model.hf_model)
+
+
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family
+fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
+
+
+def create_model(cfg, ids: dict):
+    """The checkpoint in fp32 wrapped in HFModel with the Idefics3 adapter; tokenizer ids checked against it."""
+    import torch
+
+    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
+
+    if cfg.image.resize != "global":
+        raise ValueError(f"the idefics3 backend trains image.resize='global' only ({_SPLITTING})")
+    device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
+    hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, device_type)
+    check_token_ids(hf, ids, "use the checkpoint's tokenizer and its own chat template (text.chat_template="
+                             "'auto'), which adds no token; see configure")
+    if cfg.model.gradient_checkpointing:
+        enable_activation_checkpointing(hf)
+    return HFModel(hf, make_adapter(hf, cfg.image), _vision_modules, NAME)
+
+
+def export(model, cfg, directory, state_dict=None) -> Path:
+    """save_pretrained of model + tokenizer, the checkpoint's processor files copied (hf_common.export_hf)."""
+    from ray_mmbatch.models.hf_common import export_hf
+
+    return export_hf(model, cfg, directory, state_dict)
