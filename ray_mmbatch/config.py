@@ -50,7 +50,9 @@ class ImageConfig:
     to image_size x image_size; a fixed number of image tokens) or 'fixed_pad' (LLaVA do_pad: pad to a square
     of the mean colour first, then as 'fixed') or 'tiles' (InternVL: min_tiles..max_tiles image_size tiles in the
     grid closest to the image's aspect, plus a thumbnail tile when more than one, as HF's GotOcr2 processor)
-    or 'squash' (Gemma 3: a plain bilinear resize to image_size x image_size, the aspect not kept, no crop)."""
+    or 'squash' (Gemma 3: a plain bilinear resize to image_size x image_size, the aspect not kept, no crop)
+    or 'anyres' (LLaVA-OneVision: a base tile plus crops of the grid_pinpoints resolution that fits best,
+    one padded square tile per image in a sample of several images; tokens from the aspect, see data/image.py)."""
     image_size: int = 336
     """resize='fixed' / 'squash' / 'tiles': side of the square image (tile) the vision tower sees (pixels)."""
     min_tiles: int = 1
@@ -69,6 +71,14 @@ class ImageConfig:
     """Per-channel std for the same normalization."""
     temporal_patch_size: int = 1
     """Frames per vision patch (Qwen-VL: 2; a still image is repeated over them on the worker)."""
+    grid_pinpoints: tuple[int, ...] = ()
+    """resize='anyres' (LLaVA-OneVision): the resolutions an image's crops may cover, flat (h1, w1, h2, w2, ...)
+    (HF ``image_grid_pinpoints``); each a multiple of image_size."""
+    anyres_max: int = 9
+    """resize='anyres': HF ``vision_aspect_ratio`` 'anyres_max_N': the crops' features are pooled down to about
+    N tiles' worth."""
+    anyres_features: int = 0
+    """resize='anyres': vision features per tile side (the tower's image_size // patch size; 27 at 384 / 14)."""
 
     @property
     def factor(self) -> int:

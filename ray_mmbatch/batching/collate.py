@@ -34,6 +34,8 @@ Packed layout (``collate_pack``), three samples of lengths 3, 2, 4 -> T = 9::
     image_sample_index int32[n_img]         which sample each image belongs to
     vision_cu_seqlens  int32[n_img + 1]     patch offsets per image (the vision
                                             encoder's own block-diagonal mask)
+    image_sizes        int32[n_img, 2]      only when samples carry it (resize='anyres'):
+                                            each image's displayed (h, w)
 
 Padded layout (``collate_pad``): input_ids [B, Lmax] filled with pad_id, labels
 -100 on padding, attention_mask bool [B, Lmax], position_ids 0..L-1 then 0, the
@@ -88,7 +90,11 @@ def _vision(samples: list[dict]) -> dict[str, Any]:
         np.zeros((0, dim), np.uint8)
     grid_thw = np.concatenate(grids).astype(np.int32)
     per_image = np.prod(grid_thw, axis=1) if len(grid_thw) else np.zeros(0, np.int64)
-    return {
+    extra = {}
+    if any("image_sizes" in s for s in samples):  # resize='anyres': (h, w) per image, in image order
+        extra["image_sizes"] = np.concatenate([np.asarray(s.get("image_sizes", np.zeros((0, 2))), np.int32)
+                                               .reshape(-1, 2) for s in samples]).astype(np.int32)
+    return extra | {
         "patches": patches,
         "image_grid_thw": grid_thw,
         "image_sample_index": np.repeat(np.arange(len(samples), dtype=np.int32),

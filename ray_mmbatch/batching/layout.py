@@ -80,4 +80,6 @@ def split_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:
             "patches": np.concatenate(patches) if patches else batch["patches"][:0],
             "grids": grids[mine],
         })
+        if "image_sizes" in batch:
+            out[-1]["image_sizes"] = np.asarray(batch["image_sizes"]).reshape(-1, 2)[mine]
     return out

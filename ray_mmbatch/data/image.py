@@ -62,7 +62,7 @@ _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 _FORMAT_ALIASES = {"MPO": "JPEG"}
 # ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad;
 # InternVL's tiles (see tile_canvas); Gemma 3's plain bilinear resize to the square (aspect not kept, no crop).
-RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles", "squash")
+RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles", "squash", "anyres")
 _FIXED_MODES = frozenset({"fixed", "fixed_pad", "squash", "global"})
 # resize='global': Idefics3 / SmolVLM with do_image_splitting off (see global_resize); HF's MAX_IMAGE_SIZE
 _IDEFICS3_MAX_SIDE = 4096
@@ -217,10 +217,82 @@ def n_tiles(height: int, width: int, cfg: ImageConfig) -> int:
     return 1 if cols * rows == 1 else cols * rows + 1
 
 
-def image_grid(height: int, width: int, cfg: ImageConfig) -> tuple[int, int, int]:
-    """(t, gh, gw) in patches for an image of this displayed size (HF's ``image_grid_thw``; t == 1)."""
+# ------------------------------------------------------------------ resize='anyres' (LLaVA-OneVision)
+def _pinpoints(cfg: ImageConfig) -> list[tuple[int, int]]:
+    flat = tuple(cfg.grid_pinpoints)
+    if not flat or len(flat) % 2:
+        raise ValueError(f"resize='anyres' needs image.grid_pinpoints as flat (h, w) pairs, got {flat!r}")
+    return [(int(flat[i]), int(flat[i + 1])) for i in range(0, len(flat), 2)]
+
+
+def select_best_resolution(height: int, width: int, pinpoints) -> tuple[int, int]:
+    """HF ``select_best_resolution``, formula for formula: the (h, w) that keeps the most of the image's
+    resolution once fitted inside, the least wasted area on a tie (the first such in the list)."""
+    best, max_effective, min_wasted = None, 0, float("inf")
+    for h, w in pinpoints:
+        scale = min(w / width, h / height)
+        down_w, down_h = int(width * scale), int(height * scale)
+        effective = min(down_w * down_h, width * height)
+        wasted = w * h - effective
+        if effective > max_effective or (effective == max_effective and wasted < min_wasted):
+            best, max_effective, min_wasted = (h, w), effective, wasted
+    return best
+
+
+def anyres_tiles(height: int, width: int, cfg: ImageConfig, n_images: int = 1) -> int:
+    """Tiles the vision tower sees for resize='anyres': the base tile plus the best resolution's crops for
+    the only image of a sample, one (padded square) tile for each image of a sample of several (HF
+    ``batch_num_images``)."""
+    if n_images != 1:
+        return 1
+    h, w = select_best_resolution(height, width, _pinpoints(cfg))
+    side = cfg.image_size
+    return 1 + -(-h // side) * -(-w // side)
+
+
+def anyres_tokens(height: int, width: int, cfg: ImageConfig, n_tiles: int) -> int:
+    """LM tokens of one image for resize='anyres' (HF LlavaOnevisionProcessor ``_get_number_of_features`` and
+    the model's ``pack_image_features``): g*g base features plus one newline for a lone tile; else the base
+    plus the crops' feature grid unpadded to the image's aspect (and pooled to ~anyres_max tiles when
+    more than 1.1x that), one newline per row."""
+    g = int(cfg.anyres_features)
+    if n_tiles == 1:
+        return g * g + 1
+    best_h, best_w = select_best_resolution(height, width, _pinpoints(cfg))
+    cur_h, cur_w = g * (best_h // cfg.image_size), g * (best_w // cfg.image_size)
+    if width / height > cur_w / cur_h:
+        new_h = int(round(height * (cur_w / width), 7))
+        cur_h -= (cur_h - new_h) // 2 * 2
+    else:
+        new_w = int(round(width * (cur_h / height), 7))
+        cur_w -= (cur_w - new_w) // 2 * 2
+    unpadded, newlines = cur_h * cur_w, cur_h
+    ratio = math.sqrt(cur_h * cur_w / (int(cfg.anyres_max) * g * g))
+    if ratio > 1.1:
+        unpadded, newlines = int(cur_h // ratio) * int(cur_w // ratio), int(cur_h // ratio)
+    return g * g + unpadded + newlines
+
+
+def image_tokens(grid, hw: tuple[int, int] | None, cfg: ImageConfig) -> int:
+    """LM tokens of one image of this grid: gh * gw / merge**2, or for resize='anyres' from its displayed
+    size ``hw`` too (anyres_tokens; the grid gives its tiles)."""
+    _, gh, gw = (int(v) for v in grid)
+    if cfg.resize != "anyres":
+        return gh * gw // cfg.merge_size ** 2
+    if hw is None:
+        raise ValueError("resize='anyres': an image's token count needs its displayed size")
+    return anyres_tokens(int(hw[0]), int(hw[1]), cfg, gh // (cfg.image_size // cfg.patch_size))
+
+
+def image_grid(height: int, width: int, cfg: ImageConfig, n_images: int = 1) -> tuple[int, int, int]:
+    """(t, gh, gw) in patches for an image of this displayed size (HF's ``image_grid_thw``; t == 1).
+    ``n_images``: the images of its sample (resize='anyres' tiles a sample's only image, not several)."""
     _check_aspect(height, width, cfg)
     ps = cfg.patch_size
+    if cfg.resize == "anyres":
+        if cfg.image_size % ps:
+            raise ValueError(f"image_size {cfg.image_size} is not a multiple of patch_size {ps}")
+        return 1, anyres_tiles(height, width, cfg, n_images) * (cfg.image_size // ps), cfg.image_size // ps
     if cfg.resize == "smart":
         h, w = smart_resize(height, width, cfg)
         return 1, h // ps, w // ps
@@ -326,6 +398,8 @@ def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
         img = _pad_to_square(_rgb_or_skip(img), cfg.image_mean)
     if cfg.resize == "tiles":
         return _tiles(_rgb_or_skip(img), full_hw, out_hw, cfg)
+    if cfg.resize == "anyres":
+        return _anyres(_rgb_or_skip(img), full_hw, out_hw, cfg)
     if cfg.resize == "global":
         return _global(_rgb_or_skip(img), full_hw, cfg)
     size_hw = _target_hw(full_hw, out_hw, cfg)
@@ -390,6 +464,38 @@ def _global(rgb: Image.Image, full_hw: tuple[int, int], cfg: ImageConfig) -> np.
     first = rgb.resize((w, h), Image.Resampling.LANCZOS, reducing_gap=gap)
     side = cfg.image_size
     return np.asarray(first.resize((side, side), Image.Resampling.LANCZOS, reducing_gap=gap), dtype=np.uint8)
+
+
+def _anyres(rgb: Image.Image, full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConfig) -> np.ndarray:
+    """HF LlavaOnevisionImageProcessor (PIL): tiles of image_size stacked top to bottom. One tile (an image of
+    a sample of several): padded to a square of the mean colour, bicubic to the tile. Else the base tile
+    (the whole image bicubic to the tile, aspect not kept), then the crops: the image bicubic into the best
+    pinpoint resolution keeping its aspect (``get_patch_output_size``), centred on black (0) padding, cut
+    row-major."""
+    side, gap = cfg.image_size, (3.0 if cfg.fast_decode else None)
+    n = out_hw[0] // side
+    if out_hw != (n * side, side) or n < 1:
+        raise ValueError(f"grid of {out_hw[0]}x{out_hw[1]} px is not a stack of {side} px tiles")
+    if n == 1:
+        square = _pad_to_square(rgb, cfg.image_mean)
+        return np.asarray(square.resize((side, side), Image.Resampling.BICUBIC, reducing_gap=gap), dtype=np.uint8)
+    h, w = full_hw
+    best_h, best_w = select_best_resolution(h, w, _pinpoints(cfg))
+    rows, cols = best_h // side, best_w // side
+    if 1 + rows * cols != n or best_h % side or best_w % side:
+        raise ValueError(f"{w}x{h}: best resolution {best_w}x{best_h} is not the {n - 1} crops of {side} px "
+                         "the grid says")
+    if best_w / w < best_h / h:
+        new_h, new_w = min(math.ceil(h * best_w / w), best_h), best_w
+    else:
+        new_h, new_w = best_h, min(math.ceil(w * best_h / h), best_w)
+    canvas = np.zeros((best_h, best_w, 3), dtype=np.uint8)
+    top, left = (best_h - new_h) // 2, (best_w - new_w) // 2
+    canvas[top:top + new_h, left:left + new_w] = np.asarray(
+        rgb.resize((new_w, new_h), Image.Resampling.BICUBIC, reducing_gap=gap), dtype=np.uint8)
+    crops = canvas.reshape(rows, side, cols, side, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols * side, side, 3)
+    base = np.asarray(rgb.resize((side, side), Image.Resampling.BICUBIC, reducing_gap=gap), dtype=np.uint8)
+    return np.ascontiguousarray(np.concatenate([base, crops]))
 
 
 def _rgb_or_skip(img: Image.Image) -> Image.Image:

@@ -20,7 +20,7 @@ import numpy as np
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig
-from ray_mmbatch.data.image import decode_image, patchify
+from ray_mmbatch.data.image import decode_image, image_tokens, patchify, probe_image
 
 
 def _items(value: Any) -> list:
@@ -40,7 +40,15 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     if len(pad_at) != len(grids):
         raise ValueError(f"{row[S.SAMPLE_ID]}: {len(pad_at)} image_pad tokens for {len(grids)} grids")
     repeats = np.ones(len(ids), dtype=np.int64)
-    repeats[pad_at] = grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
+    images = _items(row[S.IMAGES])
+    sizes = None
+    if image_cfg.resize == "anyres":  # tokens (and the model's image_sizes) from the displayed size
+        if len(images) != len(grids):
+            raise ValueError(f"{row[S.SAMPLE_ID]}: {len(images)} images for {len(grids)} grids")
+        sizes = np.array([probe_image(data, image_cfg) for data in images], dtype=np.int32).reshape(-1, 2)
+        repeats[pad_at] = [image_tokens(g, hw, image_cfg) for g, hw in zip(grids, sizes)]
+    else:
+        repeats[pad_at] = grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
     input_ids = np.repeat(ids, repeats)
     expanded_target = np.repeat(target, repeats)
     if len(input_ids) != int(row[S.TOKENS]):
@@ -48,12 +56,14 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     labels = np.full(len(input_ids), S.IGNORE_INDEX, dtype=np.int32)
     labels[:-1] = np.where(expanded_target[1:] == 1, input_ids[1:], S.IGNORE_INDEX)
     ps = image_cfg.patch_size
-    images = _items(row[S.IMAGES])
     if len(images) != len(grids):
         raise ValueError(f"{row[S.SAMPLE_ID]}: {len(images)} images for {len(grids)} grids")
     patches = [patchify(decode_image(data, g, image_cfg), image_cfg) for data, g in zip(images, grids)]
     patches = np.concatenate(patches) if patches else np.zeros((0, 3 * ps * ps), dtype=np.uint8)
     if patches.shape[0] != int(row[S.PATCHES]):
         raise ValueError(f"{row[S.SAMPLE_ID]}: {patches.shape[0]} patches, measured {int(row[S.PATCHES])}")
-    return {"sample_id": str(row[S.SAMPLE_ID]), "input_ids": input_ids, "labels": labels, "patches": patches,
-            "grids": grids}
+    out = {"sample_id": str(row[S.SAMPLE_ID]), "input_ids": input_ids, "labels": labels, "patches": patches,
+           "grids": grids}
+    if sizes is not None:
+        out["image_sizes"] = sizes  # (h, w) per image as displayed: LLaVA-OneVision's image_sizes
+    return out

@@ -25,7 +25,7 @@ import numpy as np
 from ray_mmbatch import schema as S
 from ray_mmbatch.batching.budget import max_tokens_alone
 from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
-from ray_mmbatch.data.image import ImageSkip, image_grid, probe_image
+from ray_mmbatch.data.image import ImageSkip, image_grid, image_tokens, probe_image
 from ray_mmbatch.data.materialize import _items
 from ray_mmbatch.data.text.conversations import TextSkip
 from ray_mmbatch.data.text.encoder import encode_conversations, image_token_id
@@ -50,17 +50,20 @@ def _parse_conversation(value: Any) -> Any:
         raise TextSkip(S.SKIP_MALFORMED_RECORD, f"conversations is not JSON: {e}") from None
 
 
-def _grids(images: list, refs: list, cfg: ImageConfig) -> np.ndarray:
-    grids = []
+def _grids(images: list, refs: list, cfg: ImageConfig) -> tuple[np.ndarray, int]:
+    """The images' grids and their LM tokens (data/image.image_tokens)."""
+    grids, tokens = [], 0
     for j, data in enumerate(images):
         try:
             if data is None:
                 raise ImageSkip(S.SKIP_EMPTY_FILE, "no bytes")
-            grids.append(image_grid(*probe_image(data, cfg), cfg))
+            hw = probe_image(data, cfg)
+            grids.append(image_grid(*hw, cfg, n_images=len(images)))
+            tokens += image_tokens(grids[-1], hw, cfg)
         except ImageSkip as e:
             where = f"image {j}" + (f" ({refs[j]})" if j < len(refs) and refs[j] else "")
             raise ImageSkip(e.reason, f"{where}: {e.detail}") from None
-    return np.asarray(grids, dtype=np.int32).reshape(-1, 3)
+    return np.asarray(grids, dtype=np.int32).reshape(-1, 3), tokens
 
 
 def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: TextConfig) -> dict[str, Any]:
@@ -68,14 +71,15 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
     n = len(batch[S.SAMPLE_ID])
     reasons = [""] * n
     grids: list[np.ndarray] = [_EMPTY_GRIDS] * n
+    img_tokens = [0] * n
     convs: dict[int, Any] = {}
     for i in range(n):
         reasons[i] = _text(batch[S.READ_ERROR][i]) if S.READ_ERROR in batch else ""
         if reasons[i]:
             continue
         try:
-            grids[i] = _grids(_items(batch[S.IMAGES][i]), [_text(r) for r in _items(batch[S.IMAGE_REFS][i])],
-                              image_cfg)
+            grids[i], img_tokens[i] = _grids(_items(batch[S.IMAGES][i]),
+                                             [_text(r) for r in _items(batch[S.IMAGE_REFS][i])], image_cfg)
             convs[i] = _parse_conversation(batch[S.CONVERSATIONS][i])
         except (ImageSkip, TextSkip) as e:
             reasons[i] = e.skip_reason()
@@ -90,11 +94,10 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             reasons[i] = result.skip_reason()
         else:
             ids[i], target[i] = result
-    merge2 = image_cfg.merge_size ** 2
     ok = np.array([not r for r in reasons], dtype=bool)
     n_images = np.array([len(g) for g in grids], dtype=np.int64) * ok
     patches = np.array([int((g[:, 0] * g[:, 1] * g[:, 2]).sum()) for g in grids], dtype=np.int64) * ok
-    image_tokens = np.array([int((g[:, 1] * g[:, 2] // merge2).sum()) for g in grids], dtype=np.int64) * ok
+    image_tokens = np.array(img_tokens, dtype=np.int64) * ok
     text_tokens = (np.array([len(a) for a in ids], dtype=np.int64) - n_images) * ok
     out = {c: batch[c] for c in S.RAW_COLUMNS if c in batch}
     out.update({

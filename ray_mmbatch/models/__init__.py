@@ -42,6 +42,7 @@ REGISTRY: dict[str, str] = {
     "gemma3": "ray_mmbatch.models.gemma3",
     "internvl": "ray_mmbatch.models.internvl",
     "idefics3": "ray_mmbatch.models.idefics3",
+    "llava_onevision": "ray_mmbatch.models.llava_onevision",
 }
 
 

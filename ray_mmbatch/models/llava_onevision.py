@@ -1,0 +1,268 @@
+"""LLaVA-OneVision backend (``LlavaOnevisionForConditionalGeneration``): anyres tiles, unpadded features.
+
+Cost model (HF's LlavaOnevisionProcessor, ``_get_number_of_features``): the only image of a sample
+becomes a base tile (the whole image resized to S x S) plus the crops of the ``image_grid_pinpoints``
+resolution that fits it best (``select_best_resolution``: the image resized into it keeping its aspect,
+centred on black padding, cut into S x S crops); its LM tokens are g*g base features (g = S / patch)
+plus the crops' (rows*g) x (cols*g) feature grid with the padding cut off again (``unpad_image``),
+pooled to about anyres_max tiles' worth when more than 1.1x that, plus one newline token per feature
+row. In a sample of several images each image is one tile (padded to a square of the mean colour,
+resized to S x S): g*g + 1 tokens (HF decides this by ``batch_num_images``, the images of the
+sample). All of it is known from the image header: ``configure`` writes resize='anyres', image_size
+S, the pinpoints, anyres_max and g into ImageConfig, data/image.py measures it
+(``anyres_tiles``, ``anyres_tokens``) and decodes it (the PIL image processor's pixels). Tiles
+travel as uint8 patches of one whole tile each (patch_size = S, merge 1: S = 384 is no multiple of
+SigLIP's 14), stacked top to bottom: grid (1, tiles, 1); ``image_sizes`` (h, w as displayed) travels
+per image from materialize through collate.
+
+Text: the chat template writes one ``<image>`` per image; materialize expands it to the image's token
+count: one contiguous run of ``<image>``, as HF's processor (``replace_image_token``).
+
+Forward inputs (``adapter``), on the batch layout of batching/collate.py::
+
+    pixel_values      [n_tiles, 3, S, S]  every tile of every image, sample order, image order, base
+                                          tile first (HF's 4-D form: no per-image padding to slice)
+    image_sizes       [n_img, 2]          (h, w) per image: HF finds each image's crop grid and unpadding
+    batch_num_images  [n_samples]         images per sample: 1 -> anyres, several -> base tile only;
+                                          per packed sample, so a pack of one-image samples keeps
+                                          every image's anyres view (HF's own batch of them does too)
+    pack              position_ids [1, T] restarting at 0 per sample, NO attention_mask (block-diagonal
+                      causal from the position ids; explicit cu_seq_lens on flash attention,
+                      hf_common.varlen_kwargs). use_cache=False (HFModel).
+    pad               attention_mask [B, L] + position_ids 0..L-1
+    text only         no pixel_values (HFModel keeps the vision weights in the graph)
+
+The vision features of each tile depend on that tile alone (SigLIP), and HF scatters the images'
+features into the ``<image>`` runs in order, so pack and pad mode are exact.
+
+Refused: a vision tower with a CLS token or vision_feature_select_strategy other than 'full' (the
+base features must be a g x g grid), vision_feature_layer other than -1, vision_aspect_ratio not
+'anyres_max_N', pinpoints that are not multiples of the tile, an image processor whose size, resize
+or rescale the data path does not reproduce, or whose pinpoints differ from the model's.
+Importing this module imports no torch (the registry imports every backend to read MODEL_TYPES).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from ray_mmbatch.models import hf_fsdp_units, hf_state_prefix
+
+NAME = "llava_onevision"
+MODEL_TYPES: tuple[str, ...] = ("llava_onevision",)
+
+_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image.py resizes with
+_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # LlavaOnevisionImageProcessor's defaults
+_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_PROCESSOR_TYPES = ("LlavaOnevisionImageProcessor", "LlavaOnevisionImageProcessorFast",
+                    "LlavaOnevisionImageProcessorPil")
+
+
+def _anyres_max(value: str, where: str) -> int:
+    text = str(value)
+    if not text.startswith("anyres_max_") or not text[len("anyres_max_"):].isdigit():
+        raise ValueError(f"{where}: vision_aspect_ratio={value!r}; only 'anyres_max_N' is supported")
+    return int(text[len("anyres_max_"):])
+
+
+def _pinpoints(value, side: int, where: str) -> tuple[int, ...]:
+    pairs = [tuple(int(v) for v in p) for p in (value or [])]
+    if not pairs or any(len(p) != 2 or p[0] % side or p[1] % side or min(p) <= 0 for p in pairs):
+        raise ValueError(f"{where}: image_grid_pinpoints {value!r} must be (h, w) multiples of the {side} px tile")
+    return tuple(v for p in pairs for v in p)
+
+
+def _pixel_settings(pre: dict, where: str) -> dict:
+    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    if not pre:
+        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
+                                "the LLaVA-OneVision backend takes its pixel settings from it")
+    kind = str(pre.get("image_processor_type", "LlavaOnevisionImageProcessor"))
+    if kind not in _PROCESSOR_TYPES:
+        raise ValueError(f"{where}: image_processor_type {kind!r}; the LLaVA-OneVision backend reproduces "
+                         f"{list(_PROCESSOR_TYPES)} only")
+    if not pre.get("do_resize", True) or pre.get("do_center_crop"):
+        raise ValueError(f"{where}: do_resize must be on and do_center_crop off")
+    if int(pre.get("resample", _BICUBIC)) != _BICUBIC:
+        raise ValueError(f"{where}: resample={pre.get('resample')}; only bicubic (3) matches the data path's resize")
+    if not pre.get("do_rescale", True) or not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
+        raise ValueError(f"{where}: pixels must be rescaled by 1/255 (do_rescale, rescale_factor)")
+    if not pre.get("do_convert_rgb", True):
+        raise ValueError(f"{where}: do_convert_rgb must be on (the data path always decodes to RGB)")
+    size = {k: v for k, v in dict(pre.get("size") or {"height": 384, "width": 384}).items() if v is not None}
+    if set(size) != {"height", "width"} or size["height"] != size["width"]:
+        raise ValueError(f"{where}: size {size!r} is not a square tile ({{'height': S, 'width': S}})")
+    mean, std = pre.get("image_mean", _CLIP_MEAN), pre.get("image_std", _CLIP_STD)
+    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(mean)
+    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(std)
+    if not pre.get("do_normalize", True):
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    return {"image_size": int(size["height"]), "image_mean": mean, "image_std": std,
+            "pinpoints": pre.get("image_grid_pinpoints")}
+
+
+def configure(cfg):
+    """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
+    from transformers import AutoConfig
+
+    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files, read_json
+
+    path = cfg.model.path
+    if not path:
+        raise ValueError("the llava_onevision backend trains a Hugging Face checkpoint: set model.path")
+    raw, processor = checkpoint_files(path)
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not LLaVA-OneVision ({list(MODEL_TYPES)})")
+    hf_cfg = AutoConfig.from_pretrained(path)
+    where_model, where_proc = f"{path}/config.json", f"{path}/preprocessor_config.json"
+    vision = hf_cfg.vision_config
+    if hf_cfg.vision_feature_select_strategy != "full" or vision.model_type != "siglip_vision_model":
+        raise ValueError(f"{where_model}: vision_feature_select_strategy={hf_cfg.vision_feature_select_strategy!r} "
+                         f"on a {vision.model_type!r} tower; only 'full' on SigLIP (no CLS token: the base "
+                         "features are a square grid, as in every LLaVA-OneVision checkpoint) is supported")
+    if hf_cfg.vision_feature_layer != -1:
+        raise ValueError(f"{where_model}: vision_feature_layer={hf_cfg.vision_feature_layer!r}; only -1 is supported "
+                         "(other layers leave vision weights unused)")
+    side, patch = int(vision.image_size), int(vision.patch_size)
+    pixels = _pixel_settings(processor, where_proc)
+    if pixels["image_size"] != side:
+        raise ValueError(f"{path}: the processor makes {pixels['image_size']} px tiles but the vision tower takes "
+                         f"{side} px (vision_config.image_size)")
+    pinpoints = _pinpoints(hf_cfg.image_grid_pinpoints, side, f"{where_model}")
+    if pixels["pinpoints"] is not None and _pinpoints(pixels["pinpoints"], side, where_proc) != pinpoints:
+        raise ValueError(f"{path}: the processor's image_grid_pinpoints differ from config.json's")
+    anyres_max = _anyres_max(hf_cfg.vision_aspect_ratio, where_model)
+    g = side // patch
+    proc_cfg = read_json(Path(path) / "processor_config.json")
+    for key, want in (("num_image_tokens", g * g), ("vision_feature_select_strategy", "full"),
+                      ("vision_aspect_ratio", hf_cfg.vision_aspect_ratio)):
+        if key in proc_cfg and proc_cfg[key] != want:
+            raise ValueError(f"{path}/processor_config.json: {key} {proc_cfg[key]!r}, but the model's is {want!r}")
+
+    adopt_setting(cfg, "image.resize", "anyres", f"{where_proc} (LLaVA-OneVision: anyres tiles)")
+    adopt_setting(cfg, "image.image_size", side, f"{where_model} vision_config.image_size")
+    adopt_setting(cfg, "image.patch_size", side, f"{path} (LLaVA-OneVision: tiles travel whole, one per patch row)")
+    adopt_setting(cfg, "image.merge_size", 1, f"{path} (LLaVA-OneVision: tokens from image_tokens, not the grid)")
+    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (still images)")
+    adopt_setting(cfg, "image.grid_pinpoints", pinpoints, f"{where_model} image_grid_pinpoints")
+    adopt_setting(cfg, "image.anyres_max", anyres_max, f"{where_model} vision_aspect_ratio")
+    adopt_setting(cfg, "image.anyres_features", g, f"{where_model} vision_config image_size / patch_size")
+    for key in ("image_mean", "image_std"):
+        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
+    if not cfg.text.tokenizer:
+        cfg.text.tokenizer = path
+    token_id = int(hf_cfg.image_token_id)
+    adopt_setting(cfg, "text.image_token", _image_token(cfg.text.tokenizer, token_id, path),
+                  f"{path} tokenizer, token id {token_id} (config.json image_token_index)")
+    return cfg
+
+
+def _image_token(tokenizer: str, token_id: int, path: str) -> str:
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    token = tok.convert_ids_to_tokens(token_id)
+    if token is None or tok.convert_tokens_to_ids(token) != token_id:
+        raise ValueError(f"{path}: image_token_index {token_id} is not a token of the tokenizer {tokenizer}")
+    return token
+
+
+# ------------------------------------------------------------------ model
+def pixel_values(patches, side: int, mean, std):
+    """uint8 tiles [n, 3 * side * side] (one tile per patch row) -> normalized float32 [n, 3, side, side]."""
+    from ray_mmbatch.models.hf_common import normalize_patches
+
+    return normalize_patches(patches, mean, std).view(-1, 3, side, side)
+
+
+def images_per_sample(batch: dict) -> list[int]:
+    """HF ``batch_num_images``: the images of every sample of the batch (0 for text-only ones)."""
+    import torch
+
+    owner = torch.as_tensor(batch["image_sample_index"]).long().cpu()
+    return torch.bincount(owner, minlength=len(batch["seq_lens"])).tolist()
+
+
+def make_adapter(hf_model, image_cfg):
+    """batch (collate layout, tensors) -> kwargs of ``LlavaOnevisionModel.forward`` (see module docstring)."""
+    from ray_mmbatch.models.hf_common import varlen_kwargs
+
+    side, ps = int(image_cfg.image_size), int(image_cfg.patch_size)
+    mean, std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
+    if ps != side:
+        raise ValueError(f"LLaVA-OneVision tiles travel whole: image.patch_size must be {side}, got {ps}")
+    text_config = hf_model.model.language_model.config
+
+    def adapter(batch: dict) -> dict:
+        kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+        if batch["mode"] == "pad":
+            kwargs["attention_mask"] = batch["attention_mask"]
+        elif batch["mode"] == "pack":
+            kwargs.update(varlen_kwargs(batch, text_config))
+        else:
+            raise ValueError(f"unknown batch mode {batch['mode']!r}")
+        patches = batch.get("patches")
+        if patches is not None and patches.shape[0]:
+            if "image_sizes" not in batch:
+                raise ValueError("LLaVA-OneVision needs image_sizes per image (was the data measured with "
+                                 "image.resize='anyres'?)")
+            dtype = hf_model.model.vision_tower.dtype
+            kwargs["pixel_values"] = pixel_values(patches, side, mean, std).to(dtype)
+            kwargs["image_sizes"] = batch["image_sizes"].long()
+            kwargs["batch_num_images"] = images_per_sample(batch)
+        return kwargs
+
+    return adapter
+
+
+def _vision_modules(hf_model) -> list:
+    import torch.nn as nn
+
+    newline = nn.Module()  # image_newline lives on the base model: a holder so text-only batches keep it in graph
+    newline.register_parameter("image_newline", hf_model.model.image_newline)
+    return [hf_model.model.vision_tower, hf_model.model.multi_modal_projector, newline]
+
+
+def vision_modules(model) -> list:
+    """The vision tower, projector and image_newline of the HFModel: a batch without images does not run them."""
+    return _vision_modules(model.hf_model)
+
+
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family
+fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
+
+
+def freeze_unused_vision(hf_model) -> int:
+    """requires_grad=False on SigLIP's post_layernorm and pooling head: vision_feature_layer -1 takes the last
+    encoder layer's hidden states, before them. Returns the number of frozen weights."""
+    tower = hf_model.model.vision_tower
+    n = 0
+    for name in ("post_layernorm", "head"):
+        module = getattr(tower, name, None)
+        for p in (module.parameters() if module is not None else ()):
+            p.requires_grad_(False)
+            n += p.numel()
+    return n
+
+
+def create_model(cfg, ids: dict):
+    """The checkpoint in fp32 wrapped in HFModel with the LLaVA-OneVision adapter; tokenizer ids checked."""
+    import torch
+
+    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
+
+    device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
+    hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, device_type)
+    check_token_ids(hf, ids, "use the checkpoint's tokenizer and its own chat template (text.chat_template="
+                             "'auto'), which adds no token")
+    freeze_unused_vision(hf)
+    if cfg.model.gradient_checkpointing:
+        enable_activation_checkpointing(hf)
+    return HFModel(hf, make_adapter(hf, cfg.image), _vision_modules, NAME)
+
+
+def export(model, cfg, directory, state_dict=None) -> Path:
+    """save_pretrained of model + tokenizer, the checkpoint's processor files copied (hf_common.export_hf)."""
+    from ray_mmbatch.models.hf_common import export_hf
+
+    return export_hf(model, cfg, directory, state_dict)
