@@ -1,13 +1,15 @@
 """Idefics3 / SmolVLM backend: configure() from a checkpoint, pixels / ids as HF's, packed and padded batches exact.
 
 The reference is HF's own path, one sample at a time: the chat template's render with every
-``<image>`` replaced as the processor replaces it without image splitting (``_prompt_single_image``),
+``<image>`` replaced as the processor replaces it (``get_image_prompt_string`` of the image's rows and
+cols: the split block, or the one-view block without splitting),
 tokenized by the checkpoint's tokenizer, ``pixel_values`` / ``pixel_attention_mask`` from the
 checkpoint's PIL image processor (the processor itself needs torchvision and num2words in
 transformers 5.25, so its two halves are called separately), fed to
 ``*ForConditionalGeneration(input_ids, pixel_values, pixel_attention_mask, attention_mask=ones)`` ->
 logits -> shifted CE. Our side is the pipeline's: raw rows -> measure_batch -> materialize_sample ->
-collate_pack / collate_pad -> HFModel.target_ce. Both model types (smolvlm, idefics3) run it.
+collate_pack / collate_pad -> HFModel.target_ce. Both model types run it: smolvlm with image splitting
+(resize='split', the checkpoints' default), idefics3 without (resize='global').
 """
 from __future__ import annotations
 
@@ -61,9 +63,16 @@ def _png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-@pytest.fixture(scope="module", params=["smolvlm", "idefics3"])
+@pytest.fixture(scope="module", params=[("smolvlm", True), ("idefics3", False)],
+                ids=["smolvlm-split", "idefics3-global"])
 def ckpt(request, tmp_path_factory):
-    return make_idefics3_checkpoint(tmp_path_factory.mktemp(request.param), request.param, side=SIDE, tiles=TILES)
+    model_type, splitting = request.param
+    return make_idefics3_checkpoint(tmp_path_factory.mktemp(model_type), model_type, side=SIDE, tiles=TILES,
+                                    splitting=splitting)
+
+
+def _splitting(ckpt) -> bool:
+    return bool(json.loads((ckpt / "preprocessor_config.json").read_text())["do_image_splitting"])
 
 
 @pytest.fixture(scope="module")
@@ -101,22 +110,24 @@ def processor(ckpt):
 
 def _hf_inputs(tok, processor, user: str, answer: str, pics: list):
     """HF processor's (input_ids, pixel_values, pixel_attention_mask) for one conversation, halves called apart."""
-    from transformers.models.smolvlm.processing_smolvlm import _prompt_single_image
+    from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
     content = [{"type": "image"} for _ in pics] + [{"type": "text", "text": user.split("\n")[-1]}]
     messages = [{"role": "user", "content": content}, {"role": "assistant", "content": [{"type": "text",
                                                                                          "text": answer}]}]
     text = tok.apply_chat_template(messages, tokenize=False)
     pixels = mask = None
+    views = []
     if pics:
         out = processor(pics, return_tensors="pt", return_row_col_info=True)
-        assert out["rows"] == [[0] * len(pics)] and out["cols"] == [[0] * len(pics)]  # no splitting
         pixels, mask = out["pixel_values"], out["pixel_attention_mask"]
-        block = _prompt_single_image(N, "<fake_token_around_image>", "<image>", "<global-img>")
+        grid = list(zip(out["rows"][0], out["cols"][0]))
+        views = [r * c + 1 if r else 1 for r, c in grid]
         parts = text.split("<image>")
         assert len(parts) == len(pics) + 1
-        text = block.join(parts)
-    return tok(text).input_ids, pixels, mask
+        text = parts[0] + "".join(get_image_prompt_string(r, c, N, "<fake_token_around_image>", "<image>",
+                                                          "<global-img>") + p for (r, c), p in zip(grid, parts[1:]))
+    return tok(text).input_ids, pixels, mask, views
 
 
 def _reference_ce(model, ids: list[int], pixels, mask, labels: np.ndarray) -> torch.Tensor:
@@ -158,7 +169,7 @@ def reference(model, built):
     samples, hf, _ = built
     model.zero_grad(set_to_none=True)
     ces = []
-    for s, (ids, pixels, mask) in zip(samples, hf):
+    for s, (ids, pixels, mask, _) in zip(samples, hf):
         ce = _reference_ce(model, ids, pixels, mask, s["labels"])
         ce.sum().backward()
         ces.append(ce.detach())
@@ -170,13 +181,16 @@ def _collate(mode: str, samples: list[dict], pad_id: int) -> dict:
 
 
 # ------------------------------------------------------------------ the data path is HF's processor
-def test_ids_pixels_and_costs_equal_the_hf_processor(built, cfg, tok):
+def test_ids_pixels_and_costs_equal_the_hf_processor(built, cfg, tok, ckpt):
     samples, hf, measured = built
     image_id = tok.convert_tokens_to_ids("<image>")
-    for s, (ids, pixels, mask), (_, _, sizes) in zip(samples, hf, SPECS):
-        assert s["input_ids"].tolist() == ids  # <fake><global-img><image> * N <fake>, template text around
-        assert s["grids"].tolist() == [[1, SIDE // PS, SIDE // PS]] * len(sizes)
-        assert int((s["input_ids"] == image_id).sum()) == len(sizes) * N
+    assert cfg.image.resize == ("split" if _splitting(ckpt) else "global")
+    all_views = []
+    for s, (ids, pixels, mask, views) in zip(samples, hf):
+        assert s["input_ids"].tolist() == ids  # the processor's blocks (rows of views, global view), template around
+        assert s["grids"].tolist() == [[1, v * SIDE // PS, SIDE // PS] for v in views]
+        assert int((s["input_ids"] == image_id).sum()) == sum(views) * N
+        all_views += views
         if pixels is None:
             assert len(s["patches"]) == 0
             continue
@@ -187,26 +201,35 @@ def test_ids_pixels_and_costs_equal_the_hf_processor(built, cfg, tok):
                             cfg.image.image_std)
         assert ours[None].shape == pixels.shape
         assert (ours[None] - pixels).abs().max().item() < 1e-5
-    assert list(measured[S.TOKENS]) == [len(ids) for ids, _, _ in hf]
+    assert list(measured[S.TOKENS]) == [len(h[0]) for h in hf]
     assert [len(sizes) for *_, sizes in SPECS] == list(measured[S.N_IMAGES])
+    assert max(all_views) == (TILES * TILES + 1 if _splitting(ckpt) else 1)  # the 1x1 image: the full grid
 
 
-@pytest.mark.parametrize("size", [(1, 1), (1, 2), (2, 1), (3, 3), (2, 3), (4, 3), (3, 500), (500, 3), (57, 113),
-                                  (200, 199), (1000, 10), (7, 1399), (333, 111), (600, 600), (1, 199), (5000, 40)])
-@pytest.mark.parametrize("tiles", [1, 4])
-def test_views_equal_hf_for_thin_and_extreme_aspect_images(size, tiles):
-    """Decoded view vs the PIL Idefics3 processor without splitting (uint8, exact), both resizes included."""
+@pytest.mark.parametrize("size", [(1, 1), (1, 2), (3, 3), (2, 3), (3, 500), (500, 3), (57, 113), (1000, 10),
+                                  (7, 1399), (333, 111), (1, 199), (5000, 40), (49, 48), (96, 95), (145, 97)])
+@pytest.mark.parametrize("tiles,splitting", [(1, True), (3, True), (4, False)])
+def test_views_equal_hf_for_thin_and_extreme_aspect_images(size, tiles, splitting):
+    """Header-only grid and decoded views vs the PIL Idefics3 processor (uint8, exact), every resize included."""
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from ray_mmbatch.data.image import split_grid
 
     w, h = size
     processor = Idefics3ImageProcessorPil(size={"longest_edge": tiles * SIDE}, max_image_size={"longest_edge": SIDE},
-                                          do_image_splitting=False)
-    icfg = ImageConfig(resize="global", image_size=SIDE, patch_size=PS, merge_size=2, max_tiles=tiles)
+                                          do_image_splitting=splitting)
+    icfg = ImageConfig(resize="split" if splitting else "global", image_size=SIDE, patch_size=PS, merge_size=2,
+                       max_tiles=tiles)
     data = _png(_image(w, h, w * 31 + h))
-    grid = image_grid(*probe_image(data, icfg), icfg)
-    assert tuple(grid) == (1, SIDE // PS, SIDE // PS)
-    hf = processor(Image.open(io.BytesIO(data)), do_rescale=False, do_normalize=False, return_tensors="np")
-    ours = decode_image(data, grid, icfg).transpose(2, 0, 1)[None, None]
+    hw = probe_image(data, icfg)
+    grid = image_grid(*hw, icfg)
+    hf = processor(Image.open(io.BytesIO(data)), do_rescale=False, do_normalize=False, return_tensors="np",
+                   return_row_col_info=True)
+    rows, cols = hf["rows"][0][0], hf["cols"][0][0]
+    if splitting:
+        assert split_grid(*hw, icfg) == (rows, cols)
+    assert tuple(grid) == (1, (rows * cols + 1 if rows else 1) * SIDE // PS, SIDE // PS)
+    ours = decode_image(data, grid, icfg).reshape(-1, SIDE, SIDE, 3).transpose(0, 3, 1, 2)[None]
     np.testing.assert_array_equal(ours, hf["pixel_values"].astype(np.uint8))
 
 
@@ -322,7 +345,8 @@ def _configure(path, **overrides):
 
 def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
     im = cfg.image
-    assert (im.resize, im.image_size, im.patch_size, im.merge_size, im.max_tiles) == ("global", SIDE, PS, 2, TILES)
+    mode = "split" if _splitting(ckpt) else "global"
+    assert (im.resize, im.image_size, im.patch_size, im.merge_size, im.max_tiles) == (mode, SIDE, PS, 2, TILES)
     assert im.image_mean == pytest.approx((0.5, 0.5, 0.5)) and im.image_std == pytest.approx((0.5, 0.5, 0.5))
     assert (cfg.text.tokenizer, cfg.text.image_token) == (str(ckpt), "<image>")
     assert tuple(cfg.text.image_block) == ("<image>", "<fake_token_around_image><global-img><image>"
@@ -337,12 +361,21 @@ def test_configure_refuses_contradicting_settings(ckpt, key, value):
         _configure(ckpt, **{key: value})
 
 
-def test_image_splitting_is_refused_with_the_reason_unless_resize_global(ckpt, tmp_path):
-    d = _variant(ckpt, tmp_path, pre={"do_image_splitting": True})
-    with pytest.raises(ValueError, match="image splitting .* not supported yet.*depends on the image's grid"):
-        _configure(d)
-    c = _configure(d, **{"image.resize": "global"})  # HF's processor with do_image_splitting=False
+def test_splitting_from_the_checkpoint_global_on_request(ckpt, tmp_path):
+    split = _variant(ckpt, tmp_path, pre={"do_image_splitting": True})
+    assert _configure(split).image.resize == "split"
+    c = _configure(split, **{"image.resize": "global"})  # HF's processor with do_image_splitting=False
     assert c.image.resize == "global" and c.image.max_tiles == TILES
+    (tmp_path / "plain").mkdir()
+    plain = _variant(ckpt, tmp_path / "plain", pre={"do_image_splitting": False})
+    with pytest.raises(ValueError, match=r"image.resize = .*split.*contradicts the checkpoint"):
+        _configure(plain, **{"image.resize": "split"})
+
+
+def test_splitting_needs_the_row_col_tokens_of_its_grid(ckpt, tmp_path):
+    """7 x 7 views need <row_7_col_1>...: the tokenizer has them up to 6 (as the real ones), so refused."""
+    with pytest.raises(ValueError, match=r"no tokens \['<row_1_col_7>'"):
+        _configure(_variant(ckpt, tmp_path, pre={"do_image_splitting": True, "size": {"longest_edge": 7 * SIDE}}))
 
 
 @pytest.mark.parametrize("config,pre,vision,match", [
@@ -385,18 +418,20 @@ def test_export_round_trip_and_registry(model, cfg, built, tmp_path, ckpt):
         assert (model.hf_model(**kwargs).logits - back(**kwargs).logits).abs().max().item() < 1e-5
     again = _configure(out)
     assert (again.image.resize, again.image.max_tiles, again.text.image_block) == \
-        ("global", TILES, cfg.text.image_block)
+        (cfg.image.resize, TILES, cfg.text.image_block)
     assert backend_name(ModelConfig(path=str(ckpt))) == "idefics3"
     assert backend_of(model) is idefics3
     assert [type(u).__name__ for u in idefics3.fsdp_units(model)] == ["LlamaDecoderLayer"] * 2
     assert idefics3.state_prefix(model) == "hf_model."
 
 
-@pytest.mark.parametrize("mode", ["pack", "pad"])
-def test_verify_packing_job_through_the_data_path(ckpt, tmp_path_factory, mode, capsys):
-    """jobs/verify_packing.py on generated data (its image sizes and conversations): exact, and real packs."""
+def test_verify_packing_job_through_the_data_path(ckpt, tmp_path_factory, capsys):
+    """jobs/verify_packing.py on generated data (its image sizes and conversations): exact, and real packs
+    (pack mode with splitting, pad mode without: both modes are exact for both above)."""
     import jobs.verify_packing as job
     from ray_mmbatch.synthetic.generate import generate_dataset
+
+    mode = "pack" if _splitting(ckpt) else "pad"
 
     data = tmp_path_factory.getbasetemp() / "idefics3_verify_data"
     if not data.exists():

@@ -62,7 +62,7 @@ _SWAPS_SIDES = frozenset({5, 6, 7, 8})
 _FORMAT_ALIASES = {"MPO": "JPEG"}
 # ImageConfig.resize values: Qwen-VL dynamic resolution; CLIP / LLaVA-1.5 square; the same after LLaVA's do_pad;
 # InternVL's tiles (see tile_canvas); Gemma 3's plain bilinear resize to the square (aspect not kept, no crop).
-RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles", "squash", "anyres")
+RESIZE_MODES = ("smart", "fixed", "fixed_pad", "tiles", "squash", "anyres", "global", "split")
 _FIXED_MODES = frozenset({"fixed", "fixed_pad", "squash", "global"})
 # resize='global': Idefics3 / SmolVLM with do_image_splitting off (see global_resize); HF's MAX_IMAGE_SIZE
 _IDEFICS3_MAX_SIDE = 4096
@@ -307,6 +307,11 @@ def image_grid(height: int, width: int, cfg: ImageConfig, n_images: int = 1) -> 
         if cfg.image_size % ps:
             raise ValueError(f"image_size {cfg.image_size} is not a multiple of patch_size {ps}")
         return 1, n_tiles(height, width, cfg) * (cfg.image_size // ps), cfg.image_size // ps
+    if cfg.resize == "split":
+        if cfg.image_size % ps:
+            raise ValueError(f"image_size {cfg.image_size} is not a multiple of patch_size {ps}")
+        rows, cols = split_grid(height, width, cfg)
+        return 1, (rows * cols + 1 if rows else 1) * (cfg.image_size // ps), cfg.image_size // ps
     raise ValueError(f"unknown resize {cfg.resize!r}; expected one of {RESIZE_MODES}")
 
 
@@ -402,6 +407,8 @@ def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:
         return _anyres(_rgb_or_skip(img), full_hw, out_hw, cfg)
     if cfg.resize == "global":
         return _global(_rgb_or_skip(img), full_hw, cfg)
+    if cfg.resize == "split":
+        return _split(_rgb_or_skip(img), full_hw, out_hw, cfg)
     size_hw = _target_hw(full_hw, out_hw, cfg)
     wh = (size_hw[1], size_hw[0])
     gap = 3.0 if cfg.fast_decode else None
@@ -496,6 +503,51 @@ def _anyres(rgb: Image.Image, full_hw: tuple[int, int], out_hw: tuple[int, int],
     crops = canvas.reshape(rows, side, cols, side, 3).transpose(0, 2, 1, 3, 4).reshape(rows * cols * side, side, 3)
     base = np.asarray(rgb.resize((side, side), Image.Resampling.BICUBIC, reducing_gap=gap), dtype=np.uint8)
     return np.ascontiguousarray(np.concatenate([base, crops]))
+
+
+def _split_sizes(height: int, width: int, cfg: ImageConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """resize='split': (h, w) after HF Idefics3's resize to the longest edge, then after its
+    ``resize_for_vision_encoder`` (sides rounded up to multiples of image_size, formula for formula)."""
+    side = cfg.image_size
+    h1, w1 = longest_edge_size(height, width, cfg.max_tiles * side)
+    aspect = w1 / h1
+    if w1 >= h1:
+        w2 = math.ceil(w1 / side) * side
+        h2 = math.ceil(int(w2 / aspect) / side) * side
+    else:
+        h2 = math.ceil(h1 / side) * side
+        w2 = math.ceil(int(h2 * aspect) / side) * side
+    return (h1, w1), (h2, w2)
+
+
+def split_grid(height: int, width: int, cfg: ImageConfig) -> tuple[int, int]:
+    """(rows, cols) of image_size sub-images for resize='split' (HF Idefics3 / SmolVLM ``do_image_splitting``):
+    (0, 0) when the rounded-up image is one view (no sub-images, no global copy). The views are the
+    rows x cols sub-images row-major, then the global view (rows * cols + 1), stacked top to bottom."""
+    _, (h2, w2) = _split_sizes(height, width, cfg)
+    side = cfg.image_size
+    if h2 > side or w2 > side:
+        return (h2 - side) // side + 1, (w2 - side) // side + 1
+    return 0, 0
+
+
+def _split(rgb: Image.Image, full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConfig) -> np.ndarray:
+    """resize='split', HF Idefics3 / SmolVLM PIL processor with ``do_image_splitting``: Lanczos to the longest
+    edge, Lanczos to multiples of image_size, crop rows x cols views, then that image Lanczos to one view."""
+    gap, side = (3.0 if cfg.fast_decode else None), cfg.image_size
+    (h1, w1), (h2, w2) = _split_sizes(*full_hw, cfg)
+    rows, cols = split_grid(*full_hw, cfg)
+    n = rows * cols + 1 if rows else 1
+    if out_hw != (n * side, side):
+        raise ValueError(f"grid of {out_hw[0]}x{out_hw[1]} px is not the {n} views of {side} px this image makes")
+    fitted = rgb.resize((w1, h1), Image.Resampling.LANCZOS, reducing_gap=gap)
+    fitted = fitted.resize((w2, h2), Image.Resampling.LANCZOS, reducing_gap=gap)
+    if not rows:
+        return np.asarray(fitted, dtype=np.uint8)
+    a = np.asarray(fitted, dtype=np.uint8).reshape(rows, side, cols, side, 3).transpose(0, 2, 1, 3, 4)
+    views = a.reshape(rows * cols * side, side, 3)
+    whole = np.asarray(fitted.resize((side, side), Image.Resampling.LANCZOS, reducing_gap=gap), dtype=np.uint8)
+    return np.ascontiguousarray(np.concatenate([views, whole]))
 
 
 def _rgb_or_skip(img: Image.Image) -> Image.Image:

@@ -37,7 +37,9 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     grids = np.array([np.asarray(g, dtype=np.int32) for g in _items(row[S.GRIDS])], dtype=np.int32).reshape(-1, 3)
     pad_id = int(row[S.IMAGE_TOKEN_ID] if image_pad_id is None else image_pad_id)
     pad_at = np.flatnonzero(ids == pad_id)
-    if len(pad_at) != len(grids):
+    # resize='split' (Idefics3 image splitting): one image token per image_size view, views stacked in the grid
+    per_image = grids[:, 1] // grids[:, 2] if image_cfg.resize == "split" else np.ones(len(grids), dtype=np.int32)
+    if len(pad_at) != int(per_image.sum()):
         raise ValueError(f"{row[S.SAMPLE_ID]}: {len(pad_at)} image_pad tokens for {len(grids)} grids")
     repeats = np.ones(len(ids), dtype=np.int64)
     images = _items(row[S.IMAGES])
@@ -48,7 +50,7 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
         sizes = np.array([probe_image(data, image_cfg) for data in images], dtype=np.int32).reshape(-1, 2)
         repeats[pad_at] = [image_tokens(g, hw, image_cfg) for g, hw in zip(grids, sizes)]
     else:
-        repeats[pad_at] = grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
+        repeats[pad_at] = np.repeat(grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2 // per_image, per_image)
     input_ids = np.repeat(ids, repeats)
     expanded_target = np.repeat(target, repeats)
     if len(input_ids) != int(row[S.TOKENS]):

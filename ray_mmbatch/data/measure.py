@@ -94,11 +94,19 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             reasons[i] = result.skip_reason()
         else:
             ids[i], target[i] = result
+    image_id = image_token_id(tok, text_cfg)
+    if image_cfg.resize == "split":  # Idefics3 / SmolVLM image splitting: each image's grid-dependent text block
+        from ray_mmbatch.data.split_block import splice_split_blocks
+
+        for i in rows:
+            if not reasons[i] and len(grids[i]):
+                ids[i], target[i] = splice_split_blocks(ids[i], target[i], _items(batch[S.IMAGES][i]), image_cfg,
+                                                        tok, text_cfg, image_id)
     ok = np.array([not r for r in reasons], dtype=bool)
     n_images = np.array([len(g) for g in grids], dtype=np.int64) * ok
     patches = np.array([int((g[:, 0] * g[:, 1] * g[:, 2]).sum()) for g in grids], dtype=np.int64) * ok
     image_tokens = np.array(img_tokens, dtype=np.int64) * ok
-    text_tokens = (np.array([len(a) for a in ids], dtype=np.int64) - n_images) * ok
+    text_tokens = np.array([len(a) - int(np.count_nonzero(a == image_id)) for a in ids], dtype=np.int64) * ok
     out = {c: batch[c] for c in S.RAW_COLUMNS if c in batch}
     out.update({
         S.TEXT_IDS: [a if k else _EMPTY_IDS for a, k in zip(ids, ok)],
@@ -107,7 +115,7 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
         S.TEXT_TOKENS: text_tokens, S.IMAGE_TOKENS: image_tokens, S.PATCHES: patches, S.N_IMAGES: n_images,
         S.TOKENS: text_tokens + image_tokens,
         S.SKIP_REASON: np.array(reasons, dtype=object),
-        S.IMAGE_TOKEN_ID: np.full(n, image_token_id(tok, text_cfg), dtype=np.int64),
+        S.IMAGE_TOKEN_ID: np.full(n, image_id, dtype=np.int64),
     })
     return out
 

@@ -1,39 +1,39 @@
 """Idefics3 / SmolVLM backend (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``).
 
-What is exact here: the processor with ``do_image_splitting=False``. Each image becomes ONE
-S x S view (S = ``max_image_size``): HF's PIL image processor resizes it (Lanczos) so that its
-longest edge is ``size['longest_edge']`` (aspect kept, the other side truncated and made even,
-1 x 1 images blown up too), then resizes that (Lanczos again) to S x S: data/image.py
-resize='global' (``longest_edge_size``, ``_global``), with image.max_tiles = longest_edge / S.
-The SigLIP tower gives (S/ps)**2 patches that pixel-shuffle by ``scale_factor`` into
+Cost model, HF's PIL image processor formula for formula (data/image.py): every image is resized
+(Lanczos) so that its longest edge is ``size['longest_edge']`` = max_tiles * S (S =
+``max_image_size``; aspect kept, the other side truncated and made even, 1 x 1 images blown up
+too). With ``do_image_splitting`` (the checkpoints' default; resize='split') it is resized again
+(Lanczos) to sides rounded up to multiples of S and cut into rows x cols S x S views, plus the
+whole of it resized to one S x S global view (``split_grid``; a 1 x 1 image makes the full
+max_tiles x max_tiles grid); without (resize='global') the first resize is resized to one S x S
+view. Every view gives (S/ps)**2 patches pixel-shuffled by ``scale_factor`` into
 N = (S/ps)**2 / scale_factor**2 LM tokens (``image_seq_len``: 64 for SmolVLM at 512 px, 169 for
-Idefics3 at 364 px), so the cost model is a fixed grid (1, S/ps, S/ps) with merge_size =
-scale_factor. Text: the chat template writes ``<image>`` per image, which the processor replaces
-(``_prompt_single_image``) by ``<fake_token_around_image><global-img>`` + ``<image>`` x N +
-``<fake_token_around_image>``: ``configure`` sets ``text.image_block`` to that, and materialize
-repeats the image token N times: the processor's ids.
+Idefics3 at 364 px). The views are stacked top to bottom, grid (1, views * S/ps, S/ps), merge_size
+= scale_factor: an image costs views x N image tokens plus its text block, known from its header.
 
-Refused, with the reason: **image splitting** (``do_image_splitting=true``, the checkpoints'
-default). The processor then cuts the (multiple-of-S) resized image into rows x cols S x S
-sub-images plus the global view, and writes ``<fake_token_around_image><row_i_col_j>`` before
-each sub-image's tokens, a newline after each row and ``\\n<fake_token_around_image><global-img>``
-before the global view's: a text block that depends on the image's grid, where the data path's
-``text.image_block`` is one fixed text per image (the encoder renders it before knowing the
-grid; measure / materialize repeat one token). Splitting needs a per-image block (row / col ids
-spliced in at measure, one image token per sub-image expanded at materialize); not landed yet.
-Run a splitting checkpoint with ``image.resize='global'`` to train it as HF's processor with
-``do_image_splitting=False`` (what SmolVLM uses for video frames), exactly.
+Text: the chat template writes ``<image>`` per image, which the processor replaces by
+``<fake_token_around_image><global-img>`` + ``<image>`` x N + ``<fake_token_around_image>``
+(one view), preceded for a split image by one line per row of
+``<fake_token_around_image><row_i_col_j>`` + ``<image>`` x N per view and a newline
+(data/split_block.py). ``configure`` sets ``text.image_block`` to the one-view block, which the
+encoder renders; with splitting, measure splices each image's rows in front of it (the block
+depends on the grid), one ``<image>`` per view, and materialize repeats each N times: the
+processor's ids. Refused: a tokenizer without the ``<row_i_col_j>`` tokens the grids need,
+a non-Lanczos resample, a longest edge that is not a multiple of S, a mean that a uniform image
+normalizes to all zeros (HF's model drops an all-zero view as padding).
 
 Forward inputs (``adapter``), on the batch layout of batching/collate.py::
 
-    pixel_values         [1, n_images, 3, S, S]  every image of the batch, in sample order then
-                         image order: uint8 patches -> (x/255 - mean)/std -> un-patchified. HF
+    pixel_values         [1, n_views, 3, S, S]  every view of the batch, in sample order, image order,
+                         view order (rows x cols row-major, global view last): uint8 patches ->
+                         (x/255 - mean)/std -> un-patchified per view. HF
                          flattens (batch, image) and scatters the images' tokens into the
                          ``<image>`` tokens in row-major order, so one leading dimension of 1
-                         puts the images of sample i on sample i's tokens in pack and pad mode.
-                         HF drops an all-zero image as padding: a real view never is one here
+                         puts the views of sample i on sample i's tokens in pack and pad mode.
+                         HF drops an all-zero view as padding: a real view never is one here
                          (configure refuses a mean that a uniform image normalizes to 0)
-    pixel_attention_mask [1, n_images, S, S] all ones (no view is padded inside)
+    pixel_attention_mask [1, n_views, S, S] all ones (no view is padded inside)
     pack                 position_ids [1, T] restarting at 0 per sample, NO attention_mask (the
                          Llama mask builder finds the samples from the position ids); on flash
                          attention cu_seq_lens / max_length explicitly (hf_common.varlen_kwargs)
@@ -55,10 +55,6 @@ _LANCZOS = 1  # PIL.Image.Resampling.LANCZOS: the Idefics3 / SmolVLM processors'
 _MEAN = _STD = (0.5, 0.5, 0.5)  # their defaults (IMAGENET_STANDARD_*)
 _PROCESSOR_TYPES = ("Idefics3ImageProcessor", "Idefics3ImageProcessorFast", "Idefics3ImageProcessorPil",
                     "SmolVLMImageProcessor", "SmolVLMImageProcessorFast", "SmolVLMImageProcessorPil")
-_SPLITTING = ("image splitting (do_image_splitting=true) is not supported yet: the processor's text block per "
-              "image (<row_i_col_j> per sub-image, newlines per row, then the global view) depends on the image's "
-              "grid, and the data path writes one fixed text block per image; set image.resize='global' to train "
-              "it as HF's processor with do_image_splitting=False (one global view per image), exactly")
 
 
 def _longest(value, where: str) -> int:
@@ -118,8 +114,9 @@ def configure(cfg):
     hf_cfg = AutoConfig.from_pretrained(path)
     where_model, where_proc = f"{path}/config.json", f"{path}/preprocessor_config.json"
     pixels = _pixel_settings(processor, where_proc)
-    if pixels["splitting"] and cfg.image.resize != "global":
-        raise ValueError(f"{where_proc}: {_SPLITTING}")
+    # image.resize='global' on a splitting checkpoint: HF's processor with do_image_splitting=False (SmolVLM's video
+    # frames), the user's choice
+    mode = "split" if pixels["splitting"] and cfg.image.resize != "global" else "global"
     vision = hf_cfg.vision_config
     side, patch, merge = int(vision.image_size), int(vision.patch_size), int(hf_cfg.scale_factor)
     if side % patch or (side // patch) % merge:
@@ -134,7 +131,7 @@ def configure(cfg):
         raise ValueError(f"{path}: image_seq_len {seq} but a {side} px view makes {per_image} tokens "
                          f"(({side}/{patch})**2 / {merge}**2)")
 
-    adopt_setting(cfg, "image.resize", "global", f"{where_proc} (Idefics3 / SmolVLM without image splitting)")
+    adopt_setting(cfg, "image.resize", mode, f"{where_proc} do_image_splitting={pixels['splitting']}")
     adopt_setting(cfg, "image.image_size", side, f"{where_model} vision_config.image_size")
     adopt_setting(cfg, "image.patch_size", patch, f"{where_model} vision_config.patch_size")
     adopt_setting(cfg, "image.merge_size", merge, f"{where_model} scale_factor")
@@ -153,10 +150,20 @@ def configure(cfg):
         if token is None or id_of(tok, token) is None:
             raise ValueError(f"{cfg.text.tokenizer}: the {name} token {token!r} is not a token of the vocabulary "
                              f"(HF's processor writes it; config.json image_token_id {token_id})")
+    if mode == "split":  # rows and cols go up to max_tiles (data/image.split_grid)
+        from ray_mmbatch.data.split_block import ROW_COL
+
+        need = [ROW_COL.format(row=r, col=c) for r in range(1, pixels["max_tiles"] + 1)
+                for c in range(1, pixels["max_tiles"] + 1)]
+        missing = [t for t in need if id_of(tok, t) is None]
+        if missing:
+            raise ValueError(f"{cfg.text.tokenizer}: no tokens {missing[:4]}{'...' if len(missing) > 4 else ''}: image "
+                             f"splitting up to {pixels['max_tiles']} x {pixels['max_tiles']} views (size longest_edge "
+                             "/ max_image_size) writes them")
     source = f"{path} tokenizer, token id {token_id} (config.json image_token_id)"
     adopt_setting(cfg, "text.image_token", image, source)
     adopt_setting(cfg, "text.image_block", (image, f"{fake}{glob}{image}{fake}"),
-                  f"{source} (Idefics3Processor / SmolVLMProcessor, one global view)")
+                  f"{source} (Idefics3Processor / SmolVLMProcessor: the one-view block, which ends every image's)")
     return cfg
 
 
@@ -182,7 +189,7 @@ def make_adapter(hf_model, image_cfg):
             raise ValueError(f"unknown batch mode {batch['mode']!r}")
         patches = batch.get("patches")
         if patches is not None and patches.shape[0]:
-            # one S x S view per image: InternVL's stacked-tile layout with one tile each
+            # S x S views stacked per image: InternVL's stacked-tile layout
             x = pixel_values(patches, batch["image_grid_thw"], side, ps, merge, mean, std)
             kwargs["pixel_values"] = x.to(hf_model.model.vision_model.dtype)[None]
             kwargs["pixel_attention_mask"] = torch.ones((1, x.shape[0], side, side), dtype=torch.bool,
@@ -211,8 +218,8 @@ def create_model(cfg, ids: dict):
 
     from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
 
-    if cfg.image.resize != "global":
-        raise ValueError(f"the idefics3 backend trains image.resize='global' only ({_SPLITTING})")
+    if cfg.image.resize not in ("split", "global"):
+        raise ValueError(f"the idefics3 backend takes image.resize 'split' or 'global', got {cfg.image.resize!r}")
     device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
     hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, device_type)
     check_token_ids(hf, ids, "use the checkpoint's tokenizer and its own chat template (text.chat_template="
