@@ -36,10 +36,12 @@ def pinpoints(tile: int, most: int = 4) -> list[list[int]]:
 
 
 def make_llava_onevision_checkpoint(directory, initializer_range: float = 0.2, seed: int = 0, tile: int = 42,
-                                    anyres_max: int = 2, text: dict | None = None, vision: dict | None = None,
+                                    anyres_max: int = 2, grid_most: int = 4, text: dict | None = None,
+                                    vision: dict | None = None,
                                     image_processor: dict | None = None) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``text`` / ``vision`` / ``image_processor``
-    override config and processor fields (the benchmark widens the model with them)."""
+    override config and processor fields (the benchmark widens the model with them); ``grid_most``: the most
+    crops per side of the pinpoints."""
     import torch
     from transformers import (
         LlavaOnevisionConfig,
@@ -68,7 +70,7 @@ def make_llava_onevision_checkpoint(directory, initializer_range: float = 0.2, s
     vision_cfg = SiglipVisionConfig(**{**dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=tile,
         patch_size=PATCH, vision_use_head=False), **(vision or {})})
-    grid = pinpoints(tile)
+    grid = pinpoints(tile, grid_most)
     config = LlavaOnevisionConfig(
         vision_config=vision_cfg, text_config=text_cfg, image_token_index=tok.convert_tokens_to_ids("<image>"),
         video_token_index=tok.convert_tokens_to_ids("<video>"), image_grid_pinpoints=grid,

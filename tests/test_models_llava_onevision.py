@@ -425,3 +425,20 @@ def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
     assert [type(u).__name__ for u in units] == ["Qwen2DecoderLayer"] * 2
     vision = {id(m) for v in ov.vision_modules(model) for m in v.modules()}
     assert id(model.hf_model.model.vision_tower.encoder.layers[0]) in vision
+
+
+def test_fast_decode_keeps_the_tiles_shape(cfg):
+    """fast_decode (not HF's pixels) drafts a JPEG no smaller than the best resolution its crops are cut from."""
+    from dataclasses import replace
+
+    fast = replace(cfg.image, fast_decode=True)
+    for w, h in [(900, 120), (120, 900), (500, 500)]:
+        buf = io.BytesIO()
+        _image(w, h, 1).save(buf, format="JPEG", quality=90)
+        data = buf.getvalue()
+        for n_images in (1, 2):
+            grid = image_grid(*probe_image(data, fast), fast, n_images=n_images)
+            exact = decode_image(data, grid, cfg.image).astype(int)
+            approx = decode_image(data, grid, fast).astype(int)
+            assert approx.shape == exact.shape == (int(grid[1]) * TILE, TILE, 3)
+            assert np.abs(approx - exact).mean() < 20  # the same picture, resampled differently

@@ -370,6 +370,9 @@ def _target_hw(full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConf
     if cfg.resize == "tiles":
         cols, rows = tile_canvas(*full_hw, cfg)
         return rows * cfg.image_size, cols * cfg.image_size
+    if cfg.resize == "anyres":  # at least the tile, or the best resolution the crops are cut from
+        n = out_hw[0] // cfg.image_size
+        return (cfg.image_size, cfg.image_size) if n == 1 else select_best_resolution(*full_hw, _pinpoints(cfg))
     if cfg.resize not in _FIXED_MODES:
         return out_hw
     if cfg.resize == "squash":
