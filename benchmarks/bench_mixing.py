@@ -23,6 +23,14 @@ floor) and a plain shuffle buffer of the default size over file order (what a
 
     python benchmarks/bench_mixing.py [--subsets 16] [--per-subset 400] [--shard-size 50]
         [--cpus 6] [--small-buffer 1024] [--repeat 2] [--json PATH]
+
+``--blend SIZES`` (instead): three sources (Parquet, WebDataset, LLaVA) of those sizes blended by
+``--weights`` (formats/sources.py), each epoch's order from ``local_batches`` (the Ray path's
+order in deterministic mode), cut into 20 parts: per source, the epoch's count against its
+target and the largest gap between its share of a part and its weight, next to a uniformly
+random order of the same samples (the same gap a plain random draw leaves).
+
+    python benchmarks/bench_mixing.py --blend 300,300,300 [--weights 0.6,0.3,0.1] [--epochs 3]
 """
 from __future__ import annotations
 
@@ -90,8 +98,50 @@ def figures(positions: np.ndarray, unit_subset: np.ndarray) -> dict:
     return order_figures(order, unit_subset[positions >> ROW_BITS])
 
 
+def blend_report(sizes: list[int], weights: list[float], epochs: int, root: str, parts: int = 20) -> list[dict]:
+    """Realized shares of a blend per part of each epoch (see the module docstring)."""
+    from collections import Counter
+
+    from ray_mmbatch import local_batches
+    from ray_mmbatch.formats.sources import source_of
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    fmts = ("parquet", "webdataset", "llava")
+    cfg = Config()
+    cfg.data.sources = []
+    for fmt, n, w in zip(fmts, sizes, weights):
+        d = os.path.join(root, f"blend-{fmt}-{n}")
+        if not os.path.exists(os.path.join(d, "manifest.json")):
+            generate_dataset(d, n, fmt, seed=1, shard_size=50, workers=1)
+        cfg.data.sources.append({"path": d, "name": fmt, "weight": w})
+    cfg.budget.max_tokens = 4096
+    total = sum(sizes)
+    want = {f: w / sum(weights) for f, w in zip(fmts, weights)}
+    rng = np.random.default_rng(0)
+    out = []
+    for epoch in range(epochs):
+        ids = [str(s) for b in local_batches(cfg, epoch=epoch) for s in b["sample_ids"]]
+        src = [source_of(i) for i in ids]
+        rand = list(rng.permutation(src))
+        row = {"epoch": epoch, "samples": len(ids), "counts": dict(Counter(src)),
+               "targets": {f: round(want[f] * total) for f in fmts}}
+        for label, order in (("blend", src), ("random", rand)):
+            gaps = {f: 0.0 for f in fmts}
+            for k in range(parts):
+                part = order[k * len(order) // parts:(k + 1) * len(order) // parts]
+                c = Counter(part)
+                for f in fmts:
+                    gaps[f] = max(gaps[f], abs(c[f] / len(part) - want[f]))
+            row[f"worst_gap_{label}"] = gaps
+        out.append(row)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--blend", default="", help="sizes of three sources, e.g. 300,300,300: the blend report instead")
+    ap.add_argument("--weights", default="0.6,0.3,0.1")
+    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--subsets", type=int, default=16)
     ap.add_argument("--per-subset", type=int, default=400)
     ap.add_argument("--shard-size", type=int, default=50, help="samples per tar shard (the read unit)")
@@ -101,6 +151,17 @@ def main(argv=None):
     ap.add_argument("--data-root", default=os.path.join(tempfile.gettempdir(), "ray_mmbatch_bench_mixing"))
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
+    if args.blend:
+        rows = blend_report([int(x) for x in args.blend.split(",")], [float(x) for x in args.weights.split(",")],
+                            args.epochs, args.data_root)
+        for r in rows:
+            print(f"epoch {r['epoch']}: {r['samples']} samples, counts {r['counts']} (targets {r['targets']})")
+            for label in ("blend", "random"):
+                gaps = ", ".join(f"{f} {g:.3f}" for f, g in r[f"worst_gap_{label}"].items())
+                print(f"  worst |share - weight| over 20 parts, {label:<6}: {gaps}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return rows
 
     import ray
 

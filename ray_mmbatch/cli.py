@@ -48,6 +48,9 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
         default = getattr(sec, field)
         doc = _field_doc(type(sec), field).replace("%", "%%")  # argparse formats help with %
         extra = {"nargs": "?", "const": "true"} if isinstance(default, bool) else {}
+        if key == "data.path":  # --data repeated: several sources (formats/sources.py), PATH or PATH#WEIGHT
+            extra = {"action": "append"}
+            doc += "; repeat it for several datasets trained together, each PATH or PATH#WEIGHT"
         parser.add_argument(flag, dest=key, default=None, metavar=type(default).__name__.upper() if
                             default is not None else "VALUE", help=f"{doc} (default: {default!r})", **extra)
 
@@ -60,6 +63,10 @@ def add_console_flags(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> Config:
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if "." in k and v is not None}
+    if isinstance(overrides.get("data.path"), list):
+        from ray_mmbatch.formats.sources import parse_data_flag
+
+        overrides.update(parse_data_flag(overrides.pop("data.path")))
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key.strip()] = value

@@ -272,6 +272,13 @@ class DataConfig:
     cluster: the pools start at 2 and may grow to the CPU slots the nodes offering --data-resource have (or
     the whole cluster's less the Train workers'), measure ~1/5 and materialize the rest (pools.py). A number
     pins both pools at that size; a run whose pools cannot be placed stops at start saying why."""
+    sources: list = field(default_factory=list)
+    """Several datasets trained together (instead of ``path``): a list of mappings, each with ``path`` and
+    optionally ``name``, ``weight`` and any data setting of its own (``format``, ``image_root``, the column
+    names...). On the command line: ``--data`` repeated, ``PATH`` or ``PATH#WEIGHT``. Sample ids get the
+    source's name in front (``name:id``), so two sources may share ids (formats/sources.py)."""
+    epoch_samples: int = flag("--epoch-samples", 0)
+    """With sources blended by weight: samples per epoch (0 = as many as the sources hold together)."""
     eval_split: float = flag("--eval-split", 0.0)
     """Hold this fraction of --data out of training for evaluation, chosen by a hash of each sample id (stable
     across runs, resumes and epochs; data/split.py). 0 = none."""
@@ -376,6 +383,10 @@ def _coerce(value: Any, current: Any, name: str) -> Any:
                 except ValueError:
                     return value
         return value
+    if isinstance(current, list):
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name}: expected a list (a YAML list in --config, or --data repeated), got {value!r}")
+        return list(value)
     return type(current)(value)
 
 

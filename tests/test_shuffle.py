@@ -100,3 +100,30 @@ def test_default_mixes_like_a_random_permutation_and_beats_a_plain_buffer():
     assert abs(part["rank_correlation"]) <= 0.05 < 0.8 < plain["rank_correlation"]
     assert part["worst_part_distance"] < 0.5 * plain["worst_part_distance"]
     assert _stream_figures("none", 0)["rank_correlation"] == pytest.approx(1.0)
+
+
+def test_an_early_end_row_loses_nothing(tmp_path):
+    """Without preserve_order (--deterministic false) the end-of-stream row can reach the plan actor
+    before other rows: what comes after it must still be planned, not left in the shuffle buffer."""
+    from ray_mmbatch import schema as S
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.dataflow.local import _chunks, _measured_rows
+    from ray_mmbatch.dataflow.payload_store import LocalPayloads
+    from ray_mmbatch.dataflow.stages import CarryPlanStage
+    from ray_mmbatch.models import configure
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    manifest = generate_dataset(str(tmp_path / "d"), 40, "parquet", seed=2, workers=1)
+    cfg = Config()
+    cfg.data.path, cfg.data.format = str(tmp_path / "d"), "parquet"
+    cfg.budget.window = 8
+    cfg = configure(cfg)
+    rows = list(_measured_rows(cfg, end_marker=True, payloads=LocalPayloads()))
+    end = [r for r in rows if r[S.SAMPLE_ID] == S.END_OF_STREAM_ID]
+    rest = [r for r in rows if r[S.SAMPLE_ID] != S.END_OF_STREAM_ID]
+    assert len(end) == 1 and len(rest) == 40
+    stage = CarryPlanStage(cfg.budget, seed=0, epoch=0, shuffle_buffer=16)
+    planned = []
+    for window in _chunks(iter(rest[:5] + end + rest[5:]), 6):  # the end row in the first window
+        planned += [s for ids in stage(window)[S.BATCH_SAMPLE_IDS] for s in ids]
+    assert sorted(planned) == sorted(manifest["ids"])

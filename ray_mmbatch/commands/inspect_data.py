@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    if not cfg.data.path:
+    if not (cfg.data.path or cfg.data.sources):
         parser.error("--data is required")
     from ray_mmbatch.run.preflight import PreflightError, TooManySkippedAtStart, preflight
     from ray_mmbatch.run.raylogs import quiet_ray

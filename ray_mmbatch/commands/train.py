@@ -16,7 +16,7 @@ from ray_mmbatch.cli import add_config_flags, add_console_flags, config_from_arg
 
 def ensure_demo_data(cfg) -> None:
     """No --data: generate (once) a small dataset next to the run."""
-    if cfg.data.path:
+    if cfg.data.path or cfg.data.sources:
         return
     from ray_mmbatch.synthetic.generate import generate_dataset
 

@@ -57,5 +57,6 @@ def eval_source(cfg):
     ev.data.shuffle = "none"
     if cfg.data.eval_data:
         ev.data.path, ev.data.eval_data, ev.data.eval_split = cfg.data.eval_data, "", 0.0
+        ev.data.sources = []
         return ev, None
     return ev, ("eval", float(cfg.data.eval_split))

@@ -146,7 +146,14 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
            (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES)}
     nbytes = float(np.sum(cols.get("image_bytes", [0])))
     n = len(reasons) - len(files)
+    per_source = {}
+    if cfg.data.sources:  # several datasets (formats/sources.py): the counts of each
+        from ray_mmbatch.formats.sources import by_source
+
+        per_source = by_source([str(s) for s in cols.get(S.SAMPLE_ID, [])],
+                               [S.parse_skip(r)[0] if r else "" for r in reasons])
     return {
+        **({"sources": per_source} if per_source else {}),
         "samples_read": n, "samples_ok": int(ok.sum()), "samples_skipped": int(n - ok.sum()),
         "skipped": skipped, "skipped_examples": examples,
         "skipped_files": len(files), "skipped_file_reasons": dict(list(files.items())[:20]),

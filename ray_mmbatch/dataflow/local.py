@@ -25,9 +25,9 @@ def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1),
               epoch: int = 0, split=None) -> Iterator[dict[str, Any]]:
     from ray_mmbatch.dataflow.stages import epoch_unit_order
     from ray_mmbatch.formats.end_of_stream import with_end_unit
-    from ray_mmbatch.formats.units import read_units, read_with_position
+    from ray_mmbatch.formats.units import for_epoch, read_units, read_with_position
 
-    units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
+    units, read_fn, kwargs = for_epoch(read_units(cfg.data.path, cfg.data), cfg.train.seed, epoch)
     index, count = shard
     order = epoch_unit_order(len(units), cfg.data, cfg.train.seed, epoch)  # the Ray path's unit order
     units = [dict(units[i], **{S.UNIT: i}) for k, i in enumerate(order) if k % count == index]  # global unit ids
@@ -100,7 +100,7 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
         read_split = train_split(cfg.data)
     else:
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-    if not cfg.data.path:
+    if not (cfg.data.path or cfg.data.sources):
         raise ValueError("local_batches needs cfg.data.path (a Parquet / WebDataset / LLaVA dataset)")
     stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
     seed = cfg.train.seed

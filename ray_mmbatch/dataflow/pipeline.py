@@ -86,9 +86,9 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     """
     from ray_mmbatch.data.split import train_split
     from ray_mmbatch.dataflow.read import read_raw
-    from ray_mmbatch.formats.units import read_units
+    from ray_mmbatch.formats.units import for_epoch, read_units
 
-    reader = reader or read_units(cfg.data.path, cfg.data)
+    reader = for_epoch(reader or read_units(cfg.data.path, cfg.data), cfg.train.seed, epoch)  # a blend's copies
     order = epoch_unit_order(len(reader[0]), cfg.data, cfg.train.seed, epoch)
     ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, reader=reader,
                   split=train_split(cfg.data))  # --eval-split: the held-out ids are never read for training

@@ -190,9 +190,10 @@ class CarryPlanStage:
     Runs as an actor pool of exactly one actor (one buffer and carry, windows in stream
     order). The readers append an end-of-stream row (schema.END_OF_STREAM_ID) after the
     last sample; the window holding it flushes the buffer, then the carry. If that row ever
-    arrives early (no preserve_order), the buffer and CarryPlanner hold nothing after the
-    flush, so later windows pass and are planned on their own: order affects fill and
-    mixing, never correctness. Skipped rows never wait in the buffer.
+    arrives early (no preserve_order: --deterministic false), every later call passes its
+    rows straight through the buffer and plans them at once, holding nothing back: order
+    affects fill and mixing, never correctness (before, rows after an early end row stayed
+    in the refilled buffer and were lost). Skipped rows never wait in the buffer.
 
     The actor plans windows of exactly ``budget.window`` rows of the buffer's output, whatever
     batches Ray hands it (map_batches never forms a batch across bundles, so those are often
@@ -214,6 +215,7 @@ class CarryPlanStage:
         self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
         self.buffer = ShuffleBuffer(shuffle_buffer, seed or 0, epoch)
         self.pending: list[dict] = []  # rows out of the buffer, planned once a whole window is here
+        self.ended = False  # the end-of-stream row has been seen: hold nothing from now on
         ray = sys.modules.get("ray")  # loaded in a Ray actor; in-process (local.py) there is no actor to restart
         ctx = ray.get_runtime_context() if ray is not None and ray.is_initialized() else None
         self.restarted = bool(ctx is not None and ctx.get_actor_id() and ctx.was_current_actor_reconstructed)
@@ -225,15 +227,16 @@ class CarryPlanStage:
                 "gone from this epoch's stream; failing the stream rather than dropping them (a training run "
                 "restores from its checkpoint and re-plans every sample not yet trained)")
         ok, skipped, window_key, end = _split_window(batch)
+        self.ended = self.ended or end
         self.pending += self.buffer.push(ok, [_position(r)[0] for r in ok])
-        if end:
+        if self.ended:  # at the end, or rows that came after an early end row: nothing may stay behind
             self.pending += self.buffer.flush()
         groups: list[list[dict]] = []
-        while len(self.pending) >= self.window or (end and self.pending):
+        while len(self.pending) >= self.window or (self.ended and self.pending):
             part, self.pending = self.pending[:self.window], self.pending[self.window:]
             key = str(part[0][S.SAMPLE_ID])  # a function of the stream, not of Ray's batch cuts
             groups += self.planner.feed(part, *_costs(part), seed=window_seed(self.seed, self.epoch, key))
-        if end:
+        if self.ended:
             groups += self.planner.flush(seed=window_seed(self.seed, self.epoch, "end"))
         return _plan_output(groups, skipped, self.epoch, window_key)
 

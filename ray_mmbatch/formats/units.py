@@ -43,9 +43,77 @@ def read_units(path: str, data_cfg: DataConfig):
 
     What ``read_raw`` runs as Ray tasks, callable in-process too (ray_mmbatch.local_batches).
     A missing dataset root, or one that cannot be listed, raises here (naming the URI).
+    With ``data_cfg.sources`` (formats/sources.py) ``path`` is not read: the units of every
+    source, one after the other, each tagged with its source's index.
     """
+    if data_cfg.sources:
+        from ray_mmbatch.formats.sources import SOURCE, BlendPlan, blended, data_sources
+
+        units, specs, rows = [], [], []
+        for k, src in enumerate(data_sources(data_cfg)):
+            fmt, listed = formats.list_units(src.data.path, src.data)
+            first = 0
+            for u in listed:  # each unit's first row within its source: the blend draws per source row
+                units.append(dict(u, **{SOURCE: k, SOURCE_ROW0: first}))
+                first += formats.FORMATS[fmt].count([u], src.data)
+            rows.append(first)
+            specs.append((src.name, fmt, src.data))
+        plan = BlendPlan(rows, [s.weight for s in data_sources(data_cfg)], data_cfg.epoch_samples) \
+            if blended(data_cfg) else None
+        return units, read_source_units, {"sources": specs, "blend": plan, "epoch": 0, "seed": 0}
     fmt, units = formats.list_units(path, data_cfg)
     return units, read_unit_table, {"fmt": fmt, "data_cfg": data_cfg}
+
+
+SOURCE_ROW0 = "source_row0"  # a multi-source unit's first row within its source (the blend's row index)
+
+
+def for_epoch(reader: tuple, seed: int, epoch: int) -> tuple:
+    """``read_units``' result for one epoch of a blend (which copies each row gets depends on it)."""
+    units, fn, kwargs = reader
+    if kwargs.get("blend") is None:
+        return reader
+    kwargs = dict(kwargs, epoch=int(epoch), seed=int(seed))
+    kwargs["blend"].seed = int(seed)
+    kwargs["copies"] = kwargs["blend"].for_epoch(int(epoch))
+    return units, fn, kwargs
+
+
+def read_source_units(units: pa.Table, sources: list, blend=None, epoch: int = 0, seed: int = 0,
+                      copies=None) -> pa.Table:
+    """``read_unit_table`` over units of several sources: each with its source's (format, settings),
+    its sample ids as ``name:id`` (formats/sources.py); with a blend, each row as many times as the
+    epoch's plan says (``copies`` from ``for_epoch``), consecutive, extra copies' ids ``id~k``."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    from ray_mmbatch.formats.sources import ID_SEP, SOURCE
+
+    tables = []
+    for i, (end, k) in enumerate(zip(units.column(END_UNIT).to_pylist(), units.column(SOURCE).to_pylist())):
+        if end:
+            tables.append(marker_table())
+            continue
+        name, fmt, cfg = sources[int(k)]
+        row = units.slice(i, 1).to_pylist()[0]
+        unit = {key: v for key, v in row.items() if key not in (END_UNIT, SOURCE, SOURCE_ROW0)}
+        t = formats.read_units_table(pa.Table.from_pylist([unit]), fmt, cfg)
+        ids = pc.binary_join_element_wise(pa.scalar(name + ID_SEP), t.column(schema.SAMPLE_ID).cast(pa.string()), "")
+        t = t.set_column(t.schema.get_field_index(schema.SAMPLE_ID), schema.SAMPLE_ID, ids)
+        if blend is not None:
+            base, threshold = (copies or blend.for_epoch(epoch))[int(k)]
+            src_rows = int(row.get(SOURCE_ROW0) or 0) + np.arange(t.num_rows)
+            n = base + (blend.scores(int(k), epoch, src_rows) < np.uint64(threshold)).astype(np.int64)
+            n[np.asarray([bool(e) for e in t.column(schema.READ_ERROR).to_pylist()], bool)] = 1  # reported once
+            take = np.repeat(np.arange(t.num_rows), n)
+            t = t.take(pa.array(take))
+            if len(take):  # the k-th extra copy of a row: id~k (ids stay unique in the epoch)
+                rank = np.arange(len(take)) - np.repeat(np.cumsum(n) - n, n)
+                sid = t.column(schema.SAMPLE_ID).to_pylist()
+                t = t.set_column(t.schema.get_field_index(schema.SAMPLE_ID), schema.SAMPLE_ID,
+                                 pa.array([s if r == 0 else f"{s}~{r}" for s, r in zip(sid, rank)], pa.string()))
+        tables.append(t)
+    return pa.concat_tables(tables) if tables else rows_to_table([])
 
 
 def listing_digest(units: list[dict]) -> str:
@@ -57,6 +125,8 @@ def listing_digest(units: list[dict]) -> str:
         rec = u.get("records")
         key = [u.get("rel", ""), u.get("row_group", -1), u.get("row_offset", -1), u.get("rows", -1),
                zlib.crc32(rec.encode()) if isinstance(rec, str) else -1]
+        if "source" in u:  # several sources (formats/sources.py): which one, too
+            key.append(u["source"])
         h.update(json.dumps(key).encode())
     return f"{len(units)}:{h.hexdigest()[:16]}"
 
@@ -108,6 +178,16 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None, s
 
 
 def count_samples(path: str, data_cfg: DataConfig) -> int:
+    if data_cfg.sources:
+        from ray_mmbatch.formats.sources import blended, data_sources
+
+        if blended(data_cfg):  # an epoch holds the blend's targets
+            return sum(read_units(path, data_cfg)[2]["blend"].targets)
+        return sum(_count_one(src.data.path, src.data) for src in data_sources(data_cfg))
+    return _count_one(path, data_cfg)
+
+
+def _count_one(path: str, data_cfg: DataConfig) -> int:
     """How many RAW rows ``read_raw`` will yield, without reading any image: Parquet footers,
     the LLaVA record list, WebDataset tar headers (a broken tar counts what it lists; a file
     that cannot be read counts its one skipped-file row). For progress and the learning-rate

@@ -41,6 +41,25 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
     from ray_mmbatch.formats.units import resolve_files
 
     d = cfg.data
+    if d.sources:  # several datasets (formats/sources.py): each checked as a run of its own
+        from ray_mmbatch.formats.sources import data_sources
+
+        try:
+            sources = data_sources(d)
+        except ValueError as e:
+            raise PreflightError(str(e)) from None
+        seen = []
+        for src in sources:
+            one = copy.deepcopy(cfg)
+            one.data = src.data
+            try:
+                seen.append(preflight(one, samples))
+            except PreflightError as e:
+                raise PreflightError(f"source {src.name!r}: {e}") from None
+        return {"format": "+".join(r["format"] for r in seen), "files": sum(r["files"] for r in seen),
+                "samples_checked": sum(r["samples_checked"] for r in seen),
+                "skipped": sum(r["skipped"] for r in seen), "sources": [s.name for s in sources]}
+    d = cfg.data
     if not d.path:
         raise PreflightError("data: no --data given")
     try:

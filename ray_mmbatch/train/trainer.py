@@ -281,6 +281,16 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "trainable_params": m.get("trainable_params"),
         "total_params": m.get("total_params"),
     }
+    if cfg.data.sources:  # several datasets: the skips of each (formats/sources.py)
+        from ray_mmbatch.formats.sources import by_source, data_sources
+
+        with open(out / RunDir.SKIPPED) as f:
+            rows = list(csv.DictReader(f))
+        counts = by_source([r["sample_id"] for r in rows], [r["reason"] for r in rows])
+        summary["sources"] = {s.name: {"weight": s.weight, "skipped": counts.get(s.name, {}).get("skipped", 0),
+                                       "skipped_by_reason": {k: v for k, v in counts.get(s.name, {}).items()
+                                                             if k not in ("samples", "skipped")}}
+                              for s in data_sources(cfg.data)}
     if stopped.exists():  # the skip guard stopped the run (train/loop.py)
         summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))
     (out / RunDir.SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
