@@ -172,6 +172,17 @@ def test_batch_equals_each_sample_alone(model, built, reference, tok, mode):
     assert worst < TOL
 
 
+def test_flash_attention_gets_the_varlen_metadata(model, built, reference, tok):
+    """Flash attention gets the packed row's cu_seq_lens / max_length explicitly (not inferred from ids)."""
+    from tests.varlen_check import check_varlen
+
+    samples, _ = built
+    batch = _collate("pack", samples, tok.pad_token_id)
+    diff = check_varlen(model, model.hf_model.model.language_model.config, batch, reference[0], TOL)
+    print(f"pack on recorded varlen kwargs: max per-token CE diff {diff:.2e}")
+    assert "cu_seq_lens_q" not in model.forward_inputs(_collate("pad", samples, tok.pad_token_id))
+
+
 def test_pack_is_exact_with_eager_attention(cfg, tok, built, reference):
     """Packing detection lives in transformers' mask builder, so eager gets the same block-diagonal mask as sdpa."""
     import copy

@@ -172,6 +172,19 @@ def test_batch_equals_each_sample_alone_through_hf(family, mode):
     assert worst < TOL
 
 
+def test_flash_attention_gets_the_varlen_metadata(family):
+    """Flash attention gets the packed row's cu_seq_lens / max_length explicitly (not inferred from ids)."""
+    from tests.varlen_check import check_varlen
+
+    which = range(len(family.samples))
+    batch = _batch(family, "pack")
+    with torch.no_grad():
+        reference = torch.cat([_reference_ce(family, i) for i in which])
+    diff = check_varlen(family.model, family.model.hf_model.model.language_model.config, batch, reference, TOL)
+    print(f"{family.name} pack on recorded varlen kwargs: max per-token |CE diff| = {diff:.2e}")
+    assert "cu_seq_lens_q" not in family.model.forward_inputs(_batch(family, "pad"))  # sdpa / pad: none
+
+
 def test_eager_attention_packs_exactly_too(family):
     """attn_implementation='eager' gets its block mask from the same row-0 positions."""
     cfg = Config()

@@ -14,8 +14,9 @@ Forward inputs (``adapter``), on the batch layout of batching/collate.py::
     pack          position_ids [1, T] restarting at 0 per sample, NO attention_mask:
                   transformers' create_causal_mask then finds the sample boundaries from the
                   position ids (masking_utils.find_packed_sequence_indices) and builds a
-                  block-diagonal causal mask (sdpa, eager, flex); flash_attention_2 finds
-                  them from the same position ids (varlen). Needs use_cache=False: with a
+                  block-diagonal causal mask (sdpa, eager, flex); flash_attention_2 gets them
+                  explicitly (cu_seq_lens_q/k, max_length_q/k: hf_common.varlen_kwargs, not
+                  inferred from the position ids). Needs use_cache=False: with a
                   cache, or with any 2-D attention_mask, HF skips the detection and attention
                   crosses samples (tests/test_models_llava.py catches both).
     pad           attention_mask [B, L] (bool) + position_ids 0..L-1
@@ -160,14 +161,19 @@ def pixel_values(patches, grid_thw, side: int, patch_size: int, mean, std):
 
 def make_adapter(hf_model, image_cfg):
     """batch (collate layout, tensors) -> kwargs of ``LlavaModel.forward`` (see module docstring)."""
+    from ray_mmbatch.models.hf_common import varlen_kwargs
+
     side, ps = int(image_cfg.image_size), int(image_cfg.patch_size)
     mean, std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
+    text_config = hf_model.model.language_model.config
 
     def adapter(batch: dict) -> dict:
         kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
         if batch["mode"] == "pad":
             kwargs["attention_mask"] = batch["attention_mask"]
-        elif batch["mode"] != "pack":
+        elif batch["mode"] == "pack":  # flash attention: the boundaries given explicitly (hf_common.varlen_kwargs)
+            kwargs.update(varlen_kwargs(batch, text_config))
+        else:
             raise ValueError(f"unknown batch mode {batch['mode']!r}")
         patches = batch.get("patches")
         if patches is not None and patches.shape[0]:

@@ -157,7 +157,7 @@ class QwenAdapter:
         self.mean, self.std, self.temporal = tuple(mean), tuple(std), int(temporal)
 
     def __call__(self, batch: dict) -> dict[str, Any]:
-        from ray_mmbatch.models.hf_common import normalize_patches
+        from ray_mmbatch.models.hf_common import normalize_patches, varlen_kwargs
 
         ids = batch["input_ids"]
         grids = batch.get("image_grid_thw")
@@ -169,6 +169,8 @@ class QwenAdapter:
             kwargs["image_grid_thw"] = grids
         if batch["mode"] == "pack":
             kwargs["position_ids"] = self.packed_position_ids(batch)
+            # flash attention: the sample boundaries given, not inferred from position ids (hf_common)
+            kwargs.update(varlen_kwargs(batch, self.base.language_model.config))
         else:
             kwargs["attention_mask"] = batch["attention_mask"]
             if has_images:
