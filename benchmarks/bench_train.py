@@ -46,6 +46,10 @@ Qwen2-VL, a Qwen2 LM 256 x 4 layers, InternViT 128 x 2 layers, 224-px tiles of 6
 with a Gemma 3 text model 256 x 4 layers (head_dim 64; three sliding-window layers of 512
 tokens, one global), SigLIP 128 x 2 layers at 224 px in 14-px patches pooled 2 x 2 to 64 tokens
 per image, whatever its size; sdpa with explicit per-layer masks in pack mode).
+``smolvlm-tiny`` builds a random SmolVLM (``tiny_smolvlm_checkpoint``: tests/hf_idefics3_checkpoint
+with the same Llama-shaped text model 256 x 4 layers, SigLIP 128 x 2 layers at 128-px views in 16-px
+patches pixel-shuffled 2 x 2 to 16 tokens per view; image splitting on, longest edge 512: up to 4 x 4
+views + the global view, 16..272 tokens per image plus its row / col text block).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -165,6 +169,25 @@ def tiny_gemma3_checkpoint(directory: str, seed: int = 0) -> str:
 
 TINY_CHECKPOINTS = {TINY_QWEN: tiny_qwen_checkpoint, TINY_INTERNVL: tiny_internvl_checkpoint,
                     TINY_GEMMA3: tiny_gemma3_checkpoint}
+
+
+TINY_SMOLVLM = "smolvlm-tiny"
+
+
+def tiny_smolvlm_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random SmolVLM checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_idefics3_checkpoint import make_idefics3_checkpoint
+
+    make_idefics3_checkpoint(directory, "smolvlm", initializer_range=0.02, seed=seed, side=128, patch=16, tiles=4,
+                             splitting=True, text=TINY_TEXT, vision={"hidden_size": 128, "intermediate_size": 512,
+                                                                "num_hidden_layers": 2, "num_attention_heads": 4})
+    return directory
+
+
+TINY_CHECKPOINTS[TINY_SMOLVLM] = tiny_smolvlm_checkpoint
 
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:

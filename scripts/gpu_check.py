@@ -21,6 +21,9 @@ side needs neither Ray nor the dataset. ``run`` then does, on cuda:0:
 5. a tiny Gemma 3 (tests/hf_gemma3_checkpoint.py, DIR/gemma3; sdpa, its packed rows carry explicit
    per-layer masks, flash-attention is refused for it): the same as 4.
 
+A tiny SmolVLM (tests/hf_idefics3_checkpoint.py, DIR/smolvlm; image splitting: rows x cols views plus
+the global view, row / col tokens in the text) gets the same as 4.
+
 It prints one JSON object per check and a final summary; exit 1 if any check fails.
 """
 from __future__ import annotations
@@ -42,6 +45,7 @@ def prepare(out: Path) -> None:
     from ray_mmbatch.synthetic.generate import generate_dataset
     from tests.hf_checkpoints import make_qwen_checkpoint
     from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
+    from tests.hf_idefics3_checkpoint import make_idefics3_checkpoint
     from tests.hf_internvl_checkpoint import make_internvl_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
@@ -50,6 +54,8 @@ def prepare(out: Path) -> None:
            make_internvl_checkpoint(out / "internvl" / "ckpt", initializer_range=0.02),
            make_gemma3_checkpoint(out / "gemma3" / "ckpt", initializer_range=0.02, image_size=224, patch=14,
                                   tokens_per_image=64)]
+    cks.append(make_idefics3_checkpoint(out / "smolvlm" / "ckpt", "smolvlm", initializer_range=0.02, side=128,
+                                        patch=16, splitting=True))
     for ck in cks:
         for mode in ("pack", "pad"):
             cfg = config_from_checkpoint(str(ck))
@@ -181,6 +187,11 @@ def run(d: Path) -> int:
                     *check_verify(d / "gemma3", precisions=("bf16",), name="gemma3_")]
     else:
         results.append({"check": "gemma3", "ok": False, "error": f"{d}/gemma3 not prepared: rerun prepare"})
+    if (d / "smolvlm" / "ckpt").is_dir():
+        results += [{**check_train(d / "smolvlm"), "check": "smolvlm_train_bf16"},
+                    *check_verify(d / "smolvlm", precisions=("bf16",), name="smolvlm_")]
+    else:
+        results.append({"check": "smolvlm", "ok": False, "error": f"{d}/smolvlm not prepared: rerun prepare"})
     for r in results:
         print(json.dumps(r))
     summary = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,

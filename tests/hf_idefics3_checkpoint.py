@@ -33,7 +33,8 @@ SPECIAL = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utte
 
 
 def make_idefics3_checkpoint(directory, model_type: str = "smolvlm", initializer_range: float = 0.2, seed: int = 0,
-                             side: int = 48, tiles: int = 4, splitting: bool = False, text: dict | None = None,
+                             side: int = 48, tiles: int = 4, splitting: bool = False, patch: int = PATCH,
+                             text: dict | None = None,
                              vision: dict | None = None, image_processor: dict | None = None) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``text`` / ``vision`` / ``image_processor``
     override config and processor fields (the benchmark widens the model with them)."""
@@ -63,8 +64,8 @@ def make_idefics3_checkpoint(directory, model_type: str = "smolvlm", initializer
                        max_position_embeddings=4096, initializer_range=initializer_range,
                        pad_token_id=tok.pad_token_id, tie_word_embeddings=False), **(text or {})}
     vision_cfg = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         image_size=side, patch_size=PATCH, initializer_range=initializer_range), **(vision or {})}
-    per_image = (side // PATCH) ** 2 // 4
+                         image_size=side, patch_size=patch, initializer_range=initializer_range), **(vision or {})}
+    per_image = (side // patch) ** 2 // 4
     config = AutoConfig.for_model(model_type, vision_config=vision_cfg, text_config=text_cfg, scale_factor=2,
                                   image_token_id=tok.convert_tokens_to_ids("<image>"),
                                   initializer_range=initializer_range, tie_word_embeddings=False,
