@@ -52,14 +52,18 @@ class ImageConfig:
     grid closest to the image's aspect, plus a thumbnail tile when more than one, as HF's GotOcr2 processor)
     or 'squash' (Gemma 3: a plain bilinear resize to image_size x image_size, the aspect not kept, no crop)
     or 'anyres' (LLaVA-OneVision: a base tile plus crops of the grid_pinpoints resolution that fits best,
-    one padded square tile per image in a sample of several images; tokens from the aspect, see data/image.py)."""
+    one padded square tile per image in a sample of several images; tokens from the aspect, see data/image.py)
+    or 'split' (Idefics3 / SmolVLM image splitting: Lanczos to the longest edge max_tiles * image_size, then rows x
+    cols image_size views plus a global view) or 'global' (the same without splitting: one image_size view)."""
     image_size: int = 336
     """resize='fixed' / 'squash' / 'tiles': side of the square image (tile) the vision tower sees (pixels)."""
     min_tiles: int = 1
     """resize='tiles': fewest tiles an image is cut into (the thumbnail not counted; HF ``min_patches``)."""
     max_tiles: int = 12
     """resize='tiles': most tiles an image is cut into (the thumbnail not counted; HF ``max_patches``): bounds
-    the image tokens per image at (max_tiles + 1) x tokens per tile."""
+    the image tokens per image at (max_tiles + 1) x tokens per tile. resize='split' / 'global': the longest edge
+    images are resized to, in views (HF ``size['longest_edge'] / max_image_size``), so at most max_tiles x
+    max_tiles views plus the global one."""
     max_aspect: float = 200.0
     """Images whose long side over short side exceeds this are skipped (extreme_aspect); HF Qwen-VL refuses > 200."""
     fast_decode: bool = flag("--fast-decode", False)

@@ -8,7 +8,10 @@ gives HF's ``pixel_values`` (tests/test_image_hf.py, atol 1e-5): resize='smart' 
 with ``do_pad`` (pad to a square of the mean colour first), 'tiles' is InternVL's dynamic tiling
 (HF ``GotOcr2ImageProcessor`` with ``crop_to_patches``: the cols x rows grid of image_size tiles
 whose aspect is closest to the image's, min_tiles..max_tiles of them, plus a thumbnail tile when
-more than one; the tiles are stacked top to bottom, so the grid is (1, n_tiles * S/ps, S/ps)).
+more than one; the tiles are stacked top to bottom, so the grid is (1, n_tiles * S/ps, S/ps)),
+'split' / 'global' are Idefics3 / SmolVLM with and without image splitting (Lanczos to the longest
+edge, then rows x cols S x S views plus a global view stacked as tiles are, or one S x S view;
+``split_grid``, ``_split``, ``_global``).
 Decoding is Pillow's, EXIF orientation applied (as HF's ``load_image`` does), then HF's
 ``convert_to_rgb`` (alpha and
 transparency keys composited on white; 16-bit / float greys clipped at 255 by Pillow, as in
@@ -370,6 +373,8 @@ def _target_hw(full_hw: tuple[int, int], out_hw: tuple[int, int], cfg: ImageConf
     if cfg.resize == "tiles":
         cols, rows = tile_canvas(*full_hw, cfg)
         return rows * cfg.image_size, cols * cfg.image_size
+    if cfg.resize in ("split", "global"):  # the first resize, to the longest edge (both modes resize from it)
+        return longest_edge_size(*full_hw, cfg.max_tiles * cfg.image_size)
     if cfg.resize == "anyres":  # at least the tile, or the best resolution the crops are cut from
         n = out_hw[0] // cfg.image_size
         return (cfg.image_size, cfg.image_size) if n == 1 else select_best_resolution(*full_hw, _pinpoints(cfg))
