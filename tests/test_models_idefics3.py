@@ -315,6 +315,49 @@ def test_varlen_kwargs_for_flash_implementations_only(model, built, tok):
                          SimpleNamespace(_attn_implementation="flash_attention_2")) == {}
 
 
+RECORDED: list[dict] = []
+
+
+def _recording_flash_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """An attention function named like a flash one: records its kwargs; with cu_seq_lens it runs each
+    packed sample alone through sdpa (varlen, as flash does), else plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    RECORDED.append({k: kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")})
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for k in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+        kwargs.pop(k, None)
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs["is_causal"] = True
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    return torch.cat(outs, dim=1), None
+
+
+def test_varlen_kwargs_reach_the_attention_call(cfg, tok, built, reference, ckpt):
+    """On a flash-named implementation the packed row's cu_seq_lens / max_length reach every decoder layer's
+    attention call, and running on them alone is exact (the vision tower keeps its own sdpa)."""
+    from transformers import AttentionInterface
+
+    if not _splitting(ckpt):
+        pytest.skip("the adapter is the same with and without splitting: one checkpoint is enough")
+    AttentionInterface.register("idefics3_recording_flash_sdpa", _recording_flash_sdpa)
+    m = idefics3.create_model(cfg, _ids(cfg, tok)).eval()
+    m.hf_model.model.text_model.config._attn_implementation = "idefics3_recording_flash_sdpa"
+    batch = _collate("pack", built[0], tok.pad_token_id)
+    RECORDED.clear()
+    with torch.no_grad():
+        ce = m.target_ce(batch)
+    assert len(RECORDED) == 2 and all(r["cu_seq_lens_q"] is not None for r in RECORDED)  # both decoder layers
+    for r in RECORDED:
+        assert r["cu_seq_lens_q"].dtype == torch.int32 and r["cu_seq_lens_q"].tolist() == batch["cu_seqlens"].tolist()
+        assert r["max_length_q"] == r["max_length_k"] == int(batch["seq_lens"].max())
+    diff = (ce - reference[0]).abs().max().item()
+    print(f"pack through the recorded varlen kwargs: max per-token CE diff {diff:.2e}")
+    assert diff < TOL
+
+
 # ------------------------------------------------------------------ configure
 def _variant(ckpt, tmp_path, config: dict | None = None, pre: dict | None = None, vision: dict | None = None):
     """A copy of the checkpoint's JSON / tokenizer files (no weights: configure reads none) with fields changed."""
