@@ -46,6 +46,10 @@ Qwen2-VL, a Qwen2 LM 256 x 4 layers, InternViT 128 x 2 layers, 224-px tiles of 6
 with a Gemma 3 text model 256 x 4 layers (head_dim 64; three sliding-window layers of 512
 tokens, one global), SigLIP 128 x 2 layers at 224 px in 14-px patches pooled 2 x 2 to 64 tokens
 per image, whatever its size; sdpa with explicit per-layer masks in pack mode).
+``llava_onevision-tiny`` builds a random LLaVA-OneVision (``tiny_llava_onevision_checkpoint``: the same
+Qwen2 LM 256 x 4 layers, SigLIP 128 x 2 layers at 112-px tiles in 14-px patches (64 features per tile),
+pinpoints up to 3 x 3 tiles, anyres_max_4: 65 tokens per image of a multi-image sample, 64..376 for a
+sample's only image, by its aspect).
 ``smolvlm-tiny`` builds a random SmolVLM (``tiny_smolvlm_checkpoint``: tests/hf_idefics3_checkpoint
 with the same Llama-shaped text model 256 x 4 layers, SigLIP 128 x 2 layers at 128-px views in 16-px
 patches pixel-shuffled 2 x 2 to 16 tokens per view; image splitting on, longest edge 512: up to 4 x 4
@@ -90,6 +94,7 @@ WARMUP_STEPS = 2
 TINY_QWEN = "qwen2_vl-tiny"
 TINY_INTERNVL = "internvl-tiny"
 TINY_GEMMA3 = "gemma3-tiny"
+TINY_ONEVISION = "llava_onevision-tiny"
 # the tiny Qwen2-VL's shape: wide enough that a CPU step is dominated by the model, not Python
 TINY_TEXT = {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "max_position_embeddings": 32768}
@@ -167,8 +172,21 @@ def tiny_gemma3_checkpoint(directory: str, seed: int = 0) -> str:
     return directory
 
 
+def tiny_llava_onevision_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random LLaVA-OneVision checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_llava_onevision_checkpoint import make_llava_onevision_checkpoint
+
+    make_llava_onevision_checkpoint(directory, initializer_range=0.02, seed=seed, tile=112, anyres_max=4, grid_most=3,
+                                    text=TINY_TEXT, vision={"hidden_size": 128, "intermediate_size": 512,
+                                                            "num_hidden_layers": 2, "num_attention_heads": 4})
+    return directory
+
+
 TINY_CHECKPOINTS = {TINY_QWEN: tiny_qwen_checkpoint, TINY_INTERNVL: tiny_internvl_checkpoint,
-                    TINY_GEMMA3: tiny_gemma3_checkpoint}
+                    TINY_GEMMA3: tiny_gemma3_checkpoint, TINY_ONEVISION: tiny_llava_onevision_checkpoint}
 
 
 TINY_SMOLVLM = "smolvlm-tiny"
@@ -405,8 +423,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=8192, help="token budget of pack and pad mode")
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} "
-                   "(a random Qwen2-VL / InternVL / Gemma 3 built in a temp dir, see the module header); default: the "
+    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} / "
+                   f"{TINY_ONEVISION} (a random Qwen2-VL / InternVL / Gemma 3 / LLaVA-OneVision built in a temp dir, "
+                   "see the module header); default: the "
                    "built-in model")
     p.add_argument("--attention", default="sdpa",
                    help="ModelConfig.attention (built-in) or ModelConfig.attn_implementation (--model: sdpa, eager)")

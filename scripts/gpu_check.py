@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """GPU checks for ray_mmbatch, run whenever a GPU machine is lent (scripts/gpu_check.sh drives it).
 
-    python scripts/gpu_check.py prepare DIR   # CPU side: tiny Qwen2-VL, InternVL, Gemma 3 checkpoints, batches
+    python scripts/gpu_check.py prepare DIR   # CPU side: the tiny checkpoints (steps 2-6) and batches
     python scripts/gpu_check.py run DIR       # GPU side: needs torch + transformers, not Ray
 
 ``prepare`` builds a tiny random Qwen2-VL checkpoint (tests/hf_checkpoints.py) and writes the
@@ -19,7 +19,9 @@ side needs neither Ray nor the dataset. ``run`` then does, on cuda:0:
    and verify_packing in bf16, pack and pad (on flash_attention_2 its packed rows carry the
    explicit cu_seq_lens / max_length kwargs, hf_common.varlen_kwargs);
 5. a tiny Gemma 3 (tests/hf_gemma3_checkpoint.py, DIR/gemma3; sdpa, its packed rows carry explicit
-   per-layer masks, flash-attention is refused for it): the same as 4.
+   per-layer masks, flash-attention is refused for it): the same as 4;
+6. a tiny LLaVA-OneVision (tests/hf_llava_onevision_checkpoint.py, DIR/llava_onevision; anyres tiles,
+   image_sizes per image and batch_num_images per packed sample): the same as 4.
 
 A tiny SmolVLM (tests/hf_idefics3_checkpoint.py, DIR/smolvlm; image splitting: rows x cols views plus
 the global view, row / col tokens in the text) gets the same as 4.
@@ -47,13 +49,15 @@ def prepare(out: Path) -> None:
     from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
     from tests.hf_idefics3_checkpoint import make_idefics3_checkpoint
     from tests.hf_internvl_checkpoint import make_internvl_checkpoint
+    from tests.hf_llava_onevision_checkpoint import make_llava_onevision_checkpoint
 
     out.mkdir(parents=True, exist_ok=True)
     generate_dataset(str(out / "data"), 240, "parquet", seed=1, shard_size=120)
     cks = [make_qwen_checkpoint(out / "ckpt", "qwen2_vl", initializer_range=0.02),
            make_internvl_checkpoint(out / "internvl" / "ckpt", initializer_range=0.02),
            make_gemma3_checkpoint(out / "gemma3" / "ckpt", initializer_range=0.02, image_size=224, patch=14,
-                                  tokens_per_image=64)]
+                                  tokens_per_image=64),
+           make_llava_onevision_checkpoint(out / "llava_onevision" / "ckpt", initializer_range=0.02)]
     cks.append(make_idefics3_checkpoint(out / "smolvlm" / "ckpt", "smolvlm", initializer_range=0.02, side=128,
                                         patch=16, splitting=True))
     for ck in cks:
@@ -187,6 +191,12 @@ def run(d: Path) -> int:
                     *check_verify(d / "gemma3", precisions=("bf16",), name="gemma3_")]
     else:
         results.append({"check": "gemma3", "ok": False, "error": f"{d}/gemma3 not prepared: rerun prepare"})
+    if (d / "llava_onevision" / "ckpt").is_dir():
+        results += [{**check_train(d / "llava_onevision"), "check": "llava_onevision_train_bf16"},
+                    *check_verify(d / "llava_onevision", precisions=("bf16",), name="llava_onevision_")]
+    else:
+        results.append({"check": "llava_onevision", "ok": False,
+                        "error": f"{d}/llava_onevision not prepared: rerun prepare"})
     if (d / "smolvlm" / "ckpt").is_dir():
         results += [{**check_train(d / "smolvlm"), "check": "smolvlm_train_bf16"},
                     *check_verify(d / "smolvlm", precisions=("bf16",), name="smolvlm_")]
