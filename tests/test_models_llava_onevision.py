@@ -442,3 +442,53 @@ def test_fast_decode_keeps_the_tiles_shape(cfg):
             approx = decode_image(data, grid, fast).astype(int)
             assert approx.shape == exact.shape == (int(grid[1]) * TILE, TILE, 3)
             assert np.abs(approx - exact).mean() < 20  # the same picture, resampled differently
+
+
+# ------------------------------------------------------------------ explicit varlen metadata (flash attention)
+RECORDED: list[dict] = []
+
+
+def _recording_flash_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """An attention function named like a flash one: records its kwargs; with cu_seq_lens it runs each
+    packed sample alone through sdpa (varlen, as flash does), else plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    RECORDED.append({k: kwargs.get(k) for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")})
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for k in ("cu_seq_lens_k", "max_length_q", "max_length_k", "position_ids"):
+        kwargs.pop(k, None)
+    if cu is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    kwargs["is_causal"] = True
+    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    return torch.cat(outs, dim=1), None
+
+
+def test_varlen_kwargs_reach_the_attention_call(cfg, tok, built, reference):
+    """On a flash-named implementation the packed row's cu_seq_lens / max_length reach both decoder layers'
+    attention call, and the loss is exact on them alone (no mask: without them attention crosses samples)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("recording_flash_sdpa", _recording_flash_sdpa)
+    m = ov.create_model(cfg, _ids(cfg, tok)).eval()
+    m.hf_model.model.language_model.config._attn_implementation = "recording_flash_sdpa"
+    batch = _collate("pack", built[0], tok.pad_token_id)
+    RECORDED.clear()
+    with torch.no_grad():
+        ce = m.target_ce(batch)
+    assert len(RECORDED) == 2  # both decoder layers (SigLIP stays on sdpa: its own config)
+    for r in RECORDED:
+        assert r["cu_seq_lens_q"].dtype == torch.int32 and r["cu_seq_lens_q"].tolist() == batch["cu_seqlens"].tolist()
+        assert r["cu_seq_lens_k"] is r["cu_seq_lens_q"]
+        assert r["max_length_q"] == r["max_length_k"] == int(batch["seq_lens"].max())
+    diff = (ce - reference[0]).abs().max().item()
+    print(f"pack through the recorded varlen kwargs: max per-token CE diff {diff:.2e}")
+    assert diff < TOL
+    kwargs = m.forward_inputs(batch)
+    for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(k)
+    with torch.no_grad():
+        naive = m._target_ce(m.hf_model.model(**kwargs).last_hidden_state, batch["labels"], "none")
+    assert (naive - reference[0]).abs().max().item() > 100 * TOL
+    assert "cu_seq_lens_q" not in m.forward_inputs(_collate("pad", built[0], tok.pad_token_id))
