@@ -11,7 +11,11 @@ whose aspect is closest to the image's, min_tiles..max_tiles of them, plus a thu
 more than one; the tiles are stacked top to bottom, so the grid is (1, n_tiles * S/ps, S/ps)),
 'split' / 'global' are Idefics3 / SmolVLM with and without image splitting (Lanczos to the longest
 edge, then rows x cols S x S views plus a global view stacked as tiles are, or one S x S view;
-``split_grid``, ``_split``, ``_global``).
+``split_grid``, ``_split``, ``_global``), 'anyres' is LLaVA-OneVision (a sample's only image: a base
+tile, the whole image to S x S, then the crops of its best ``grid_pinpoints`` resolution, resized
+into it keeping the aspect and centred on black; each image of a sample of several: one tile padded
+to a square of the mean colour; tiles stacked as above; its LM tokens come from ``image_tokens``,
+which needs the displayed size, not from the grid).
 Decoding is Pillow's, EXIF orientation applied (as HF's ``load_image`` does), then HF's
 ``convert_to_rgb`` (alpha and
 transparency keys composited on white; 16-bit / float greys clipped at 255 by Pillow, as in
