@@ -97,10 +97,20 @@ def model(cfg, tok):
     return idefics3.create_model(cfg, _ids(cfg, tok)).eval()
 
 
-def _pil_processor(path):
+def _pil_class(model_type: str):
+    """The PIL image processor class of the model type (SmolVLM's is generated from Idefics3's, not the same file)."""
+    if model_type == "smolvlm":
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
+
+        return SmolVLMImageProcessorPil
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    return Idefics3ImageProcessorPil.from_pretrained(str(path))
+    return Idefics3ImageProcessorPil
+
+
+def _pil_processor(path):
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    return _pil_class(model_type).from_pretrained(str(path))
 
 
 @pytest.fixture(scope="module")
@@ -209,15 +219,14 @@ def test_ids_pixels_and_costs_equal_the_hf_processor(built, cfg, tok, ckpt):
 @pytest.mark.parametrize("size", [(1, 1), (1, 2), (3, 3), (2, 3), (3, 500), (500, 3), (57, 113), (1000, 10),
                                   (7, 1399), (333, 111), (1, 199), (5000, 40), (49, 48), (96, 95), (145, 97)])
 @pytest.mark.parametrize("tiles,splitting", [(1, True), (3, True), (4, False)])
-def test_views_equal_hf_for_thin_and_extreme_aspect_images(size, tiles, splitting):
-    """Header-only grid and decoded views vs the PIL Idefics3 processor (uint8, exact), every resize included."""
-    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
-
+@pytest.mark.parametrize("model_type", ["smolvlm", "idefics3"])
+def test_views_equal_hf_for_thin_and_extreme_aspect_images(size, tiles, splitting, model_type):
+    """Header-only grid and decoded views vs the PIL SmolVLM / Idefics3 processor (uint8, exact), every resize."""
     from ray_mmbatch.data.image import split_grid
 
     w, h = size
-    processor = Idefics3ImageProcessorPil(size={"longest_edge": tiles * SIDE}, max_image_size={"longest_edge": SIDE},
-                                          do_image_splitting=splitting)
+    processor = _pil_class(model_type)(size={"longest_edge": tiles * SIDE}, max_image_size={"longest_edge": SIDE},
+                                       do_image_splitting=splitting, resample=1)
     icfg = ImageConfig(resize="split" if splitting else "global", image_size=SIDE, patch_size=PS, merge_size=2,
                        max_tiles=tiles)
     data = _png(_image(w, h, w * 31 + h))
@@ -397,7 +406,7 @@ def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
 
 
 @pytest.mark.parametrize("key,value", [("image.merge_size", 4), ("image.image_size", 64), ("image.patch_size", 16),
-                                       ("image.max_tiles", 2), ("image.image_mean", "0.4,0.4,0.4"),
+                                       ("image.image_mean", "0.4,0.4,0.4"),
                                        ("text.image_token", "<global-img>"), ("image.resize", "fixed")])
 def test_configure_refuses_contradicting_settings(ckpt, key, value):
     with pytest.raises(ValueError, match=rf"{re.escape(key)} = .*contradicts the checkpoint"):
@@ -413,6 +422,19 @@ def test_splitting_from_the_checkpoint_global_on_request(ckpt, tmp_path):
     plain = _variant(ckpt, tmp_path / "plain", pre={"do_image_splitting": False})
     with pytest.raises(ValueError, match=r"image.resize = .*split.*contradicts the checkpoint"):
         _configure(plain, **{"image.resize": "split"})
+
+
+def test_max_tiles_is_the_users_to_lower_and_stays_hf_exact(ckpt):
+    """image.max_tiles = HF's processor called with size={'longest_edge': max_tiles * S}: fewer views."""
+    c = _configure(ckpt, **{"image.max_tiles": 2})
+    assert c.image.max_tiles == 2
+    data = _png(_image(170, 45, 3))
+    hw = probe_image(data, c.image)
+    grid = image_grid(*hw, c.image)
+    hf = _pil_processor(ckpt)(Image.open(io.BytesIO(data)), size={"longest_edge": 2 * SIDE}, do_rescale=False,
+                              do_normalize=False, return_tensors="np")
+    ours = decode_image(data, grid, c.image).reshape(-1, SIDE, SIDE, 3).transpose(0, 3, 1, 2)[None]
+    np.testing.assert_array_equal(ours, hf["pixel_values"].astype(np.uint8))
 
 
 def test_splitting_needs_the_row_col_tokens_of_its_grid(ckpt, tmp_path):

@@ -135,7 +135,11 @@ def configure(cfg):
     adopt_setting(cfg, "image.image_size", side, f"{where_model} vision_config.image_size")
     adopt_setting(cfg, "image.patch_size", patch, f"{where_model} vision_config.patch_size")
     adopt_setting(cfg, "image.merge_size", merge, f"{where_model} scale_factor")
-    adopt_setting(cfg, "image.max_tiles", pixels["max_tiles"], f"{where_proc} size longest_edge / max_image_size")
+    # the longest edge is a free choice (HF: the processor's size kwarg, as InternVL's tile bound): the user's wins
+    adopt_setting(cfg, "image.max_tiles", pixels["max_tiles"], f"{where_proc} size longest_edge / max_image_size",
+                  user_may_override=True)
+    if int(cfg.image.max_tiles) < 1:
+        raise ValueError(f"image.max_tiles {cfg.image.max_tiles}: the longest edge must be at least one view")
     adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (Idefics3: still images)")
     for key in ("image_mean", "image_std"):
         adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
@@ -153,13 +157,13 @@ def configure(cfg):
     if mode == "split":  # rows and cols go up to max_tiles (data/image.split_grid)
         from ray_mmbatch.data.split_block import ROW_COL
 
-        need = [ROW_COL.format(row=r, col=c) for r in range(1, pixels["max_tiles"] + 1)
-                for c in range(1, pixels["max_tiles"] + 1)]
+        most = int(cfg.image.max_tiles)
+        need = [ROW_COL.format(row=r, col=c) for r in range(1, most + 1) for c in range(1, most + 1)]
         missing = [t for t in need if id_of(tok, t) is None]
         if missing:
             raise ValueError(f"{cfg.text.tokenizer}: no tokens {missing[:4]}{'...' if len(missing) > 4 else ''}: image "
-                             f"splitting up to {pixels['max_tiles']} x {pixels['max_tiles']} views (size longest_edge "
-                             "/ max_image_size) writes them")
+                             f"splitting up to {most} x {most} views (image.max_tiles: size longest_edge / "
+                             "max_image_size) writes them")
     source = f"{path} tokenizer, token id {token_id} (config.json image_token_id)"
     adopt_setting(cfg, "text.image_token", image, source)
     adopt_setting(cfg, "text.image_block", (image, f"{fake}{glob}{image}{fake}"),
