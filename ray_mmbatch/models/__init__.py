@@ -104,6 +104,14 @@ def hf_fsdp_units(model) -> list:
     return fsdp_units(model)
 
 
+def hf_export(model, cfg, directory, state_dict=None):
+    """``export`` of every HF backend: save_pretrained of model + tokenizer, the checkpoint's processor
+    files copied (hf_common.export_hf; imported when called)."""
+    from ray_mmbatch.models.hf_common import export_hf
+
+    return export_hf(model, cfg, directory, state_dict)
+
+
 def hf_state_prefix(model) -> str:
     """``state_prefix`` of every HF backend: HFModel keeps the transformers model under ``hf_model.``."""
     return HF_STATE_PREFIX

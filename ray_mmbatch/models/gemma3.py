@@ -52,7 +52,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ray_mmbatch.models import hf_fsdp_units, hf_state_prefix
+from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "gemma3"
 MODEL_TYPES: tuple[str, ...] = ("gemma3",)
@@ -277,17 +277,12 @@ def freeze_unused_vision(hf_model) -> int:
 
 def create_model(cfg, ids: dict):
     """The checkpoint in fp32 wrapped in HFModel with the Gemma 3 adapter; tokenizer ids checked against it."""
-    import torch
-
-    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
+    from ray_mmbatch.models.hf_common import load_checked, wrap
 
     impl = cfg.model.attn_implementation
     if "flash" in impl:
         raise ValueError(f"model.attn_implementation={impl!r}: {_NO_FLASH}")
-    device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
-    hf = load_hf_model(cfg.model.path, "sdpa" if impl == "auto" else impl, device_type)
-    check_token_ids(hf, ids, "use the checkpoint's tokenizer and its own chat template (text.chat_template="
-                             "'auto'), which adds no token; see configure")
+    hf = load_checked(cfg, ids, "sdpa" if impl == "auto" else impl)
     kernel = _pool_kernel(hf.config.vision_config, int(hf.config.mm_tokens_per_image), cfg.model.path)
     want = {"resize": "squash", "image_size": hf.config.vision_config.image_size,
             "patch_size": hf.config.vision_config.patch_size, "merge_size": kernel}
@@ -297,13 +292,7 @@ def create_model(cfg, ids: dict):
                              "call configure(cfg) before create_model")
     _mask_api()  # fail here, not at the first packed batch
     freeze_unused_vision(hf)
-    if cfg.model.gradient_checkpointing:
-        enable_activation_checkpointing(hf)
-    return HFModel(hf, Gemma3Adapter(hf, cfg.image), _vision_modules, NAME)
+    return wrap(hf, cfg, Gemma3Adapter(hf, cfg.image), _vision_modules, NAME)
 
 
-def export(model, cfg, directory, state_dict=None) -> Path:
-    """save_pretrained of model + tokenizer, the checkpoint's processor files copied (hf_common.export_hf)."""
-    from ray_mmbatch.models.hf_common import export_hf
-
-    return export_hf(model, cfg, directory, state_dict)
+export = hf_export  # save_pretrained of model + tokenizer, the processor files copied

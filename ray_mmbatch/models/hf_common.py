@@ -117,6 +117,26 @@ def load_hf_model(path: str, attn_implementation: str = "auto", device_type: str
     return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
 
 
+TOKENIZER_HINT = ("use the checkpoint's tokenizer and its own chat template (text.chat_template='auto'), which adds "
+                  "no token; see configure")
+
+
+def load_checked(cfg, ids: dict, attn_implementation: str | None = None, hint: str = TOKENIZER_HINT):
+    """``create_model``'s first half for every HF backend: the checkpoint at cfg.model.path in fp32 on
+    this worker's device type, its embeddings checked against the run's tokenizer ``ids``."""
+    device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
+    hf = load_hf_model(cfg.model.path, attn_implementation or cfg.model.attn_implementation, device_type)
+    check_token_ids(hf, ids, hint)
+    return hf
+
+
+def wrap(hf_model, cfg, adapter, vision, name: str):
+    """``create_model``'s last step for every HF backend: activation checkpointing if asked, then HFModel."""
+    if cfg.model.gradient_checkpointing:
+        enable_activation_checkpointing(hf_model)
+    return HFModel(hf_model, adapter, vision, name)
+
+
 def check_token_ids(hf_model, ids: dict, hint: str) -> None:
     """The run's tokenizer (``ids`` from models.token_ids) must match the loaded model: the same image
     token id, and no more tokens than the model embeds; ``hint`` says what to do otherwise."""

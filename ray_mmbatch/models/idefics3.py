@@ -46,7 +46,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ray_mmbatch.models import hf_fsdp_units, hf_state_prefix
+from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "idefics3"
 MODEL_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")
@@ -218,23 +218,12 @@ fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
 
 def create_model(cfg, ids: dict):
     """The checkpoint in fp32 wrapped in HFModel with the Idefics3 adapter; tokenizer ids checked against it."""
-    import torch
-
-    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
+    from ray_mmbatch.models.hf_common import load_checked, wrap
 
     if cfg.image.resize not in ("split", "global"):
         raise ValueError(f"the idefics3 backend takes image.resize 'split' or 'global', got {cfg.image.resize!r}")
-    device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
-    hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, device_type)
-    check_token_ids(hf, ids, "use the checkpoint's tokenizer and its own chat template (text.chat_template="
-                             "'auto'), which adds no token; see configure")
-    if cfg.model.gradient_checkpointing:
-        enable_activation_checkpointing(hf)
-    return HFModel(hf, make_adapter(hf, cfg.image), _vision_modules, NAME)
+    hf = load_checked(cfg, ids)
+    return wrap(hf, cfg, make_adapter(hf, cfg.image), _vision_modules, NAME)
 
 
-def export(model, cfg, directory, state_dict=None) -> Path:
-    """save_pretrained of model + tokenizer, the checkpoint's processor files copied (hf_common.export_hf)."""
-    from ray_mmbatch.models.hf_common import export_hf
-
-    return export_hf(model, cfg, directory, state_dict)
+export = hf_export  # save_pretrained of model + tokenizer, the processor files copied

@@ -31,7 +31,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ray_mmbatch.models import hf_fsdp_units, hf_state_prefix
+from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "qwen_vl"
 MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
@@ -217,11 +217,10 @@ fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
 
 def create_model(cfg, ids: dict):
     """The checkpoint's *ForConditionalGeneration wrapped in HFModel with the Qwen adapter."""
-    from ray_mmbatch.models.hf_common import HFModel, check_token_ids, enable_activation_checkpointing, load_hf_model
+    from ray_mmbatch.models.hf_common import load_checked, wrap
 
-    hf = load_hf_model(cfg.model.path, cfg.model.attn_implementation, "cuda" if cfg.train.use_gpu else "cpu")
+    hf = load_checked(cfg, ids, hint="run configure(cfg) with the checkpoint's tokenizer")
     config = hf.config
-    check_token_ids(hf, ids, "run configure(cfg) with the checkpoint's tokenizer")
     vision = config.vision_config
     for key, want in (("patch_size", vision.patch_size), ("merge_size", vision.spatial_merge_size),
                       ("temporal_patch_size", vision.temporal_patch_size)):
@@ -229,15 +228,9 @@ def create_model(cfg, ids: dict):
             raise ValueError(f"image.{key} is {getattr(cfg.image, key)} but the model's is {want}: "
                              "call configure(cfg) before create_model")
     hf.config.use_cache = False
-    if cfg.model.gradient_checkpointing:
-        enable_activation_checkpointing(hf)
     adapter = QwenAdapter(hf.model, config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
                           cfg.image.temporal_patch_size)
-    return HFModel(hf, adapter, _vision_modules, NAME)
+    return wrap(hf, cfg, adapter, _vision_modules, NAME)
 
 
-def export(model, cfg, directory, state_dict=None) -> None:
-    """save_pretrained of model + tokenizer, and the checkpoint's processor files (hf_common.export_hf)."""
-    from ray_mmbatch.models.hf_common import export_hf
-
-    export_hf(model, cfg, directory, state_dict)
+export = hf_export  # save_pretrained of model + tokenizer, the processor files copied
