@@ -177,6 +177,9 @@ class ModelConfig:
     lora_targets: str = flag("--lora-targets", "language")
     """Where LoRA goes: parts ('language', 'vision', 'projector', any subset) and/or module-name suffixes
     ('q_proj,v_proj'); the LM head never."""
+    qlora: bool = flag("--qlora", False)
+    """QLoRA: the HF checkpoint's linear layers in 4-bit NF4 (bitsandbytes) under the LoRA adapters; needs
+    --lora-rank, a CUDA GPU (--use-gpu) and bitsandbytes, and is refused at start anywhere else."""
     merge_lora: bool = flag("--merge-lora", False)
     """Export a full HF checkpoint with the adapters folded in (OUTPUT_DIR/model), besides the adapter
     (OUTPUT_DIR/adapter)."""

@@ -160,3 +160,18 @@ def test_lora_with_gradient_checkpointing_trains_the_adapters(data, qwen):
     before = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
     _train(model, cfg, _image_batches(cfg, 1), lr=5e-2)
     assert all(not torch.equal(p, before[n]) for n, p in model.named_parameters() if "lora_B" in n)
+
+
+def test_qlora_is_refused_at_start_naming_why():
+    """No CUDA and no bitsandbytes on this machine: --qlora stops at start with every reason."""
+    cfg = Config()
+    cfg.model.qlora = True
+    with pytest.raises(ValueError, match="--qlora refused") as err:
+        T.check_config(cfg)
+    text = str(err.value)
+    assert "--lora-rank" in text and "built-in model" in text and "CUDA" in text
+    assert ("bitsandbytes is not installed" in text) == (__import__("importlib").util.find_spec("bitsandbytes") is None)
+    cfg.model.lora_rank, cfg.model.path, cfg.train.fsdp = 8, "/ckpt", True
+    with pytest.raises(ValueError) as err:
+        T.check_config(cfg)
+    assert "FSDP2" in str(err.value) and "--lora-rank" not in str(err.value)

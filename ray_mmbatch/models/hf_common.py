@@ -109,12 +109,22 @@ def resolve_attn_implementation(requested: str, device_type: str) -> str:
     return "sdpa"
 
 
-def load_hf_model(path: str, attn_implementation: str = "auto", device_type: str = "cpu"):
-    """The checkpoint's ``*ForConditionalGeneration`` in fp32 (autocast does the low precision)."""
+def load_hf_model(path: str, attn_implementation: str = "auto", device_type: str = "cpu", qlora: bool = False):
+    """The checkpoint's ``*ForConditionalGeneration`` in fp32 (autocast does the low precision); ``qlora``:
+    its linear layers in 4-bit NF4 through bitsandbytes (double quantization, bf16 compute), the rest in
+    fp32, on this process's CUDA device (models/trainable.check_config refuses it anywhere else)."""
     from transformers import AutoModelForImageTextToText
 
     impl = resolve_attn_implementation(attn_implementation, device_type)
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=impl)
+    kwargs = {}
+    if qlora:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=impl, **kwargs)
 
 
 TOKENIZER_HINT = ("use the checkpoint's tokenizer and its own chat template (text.chat_template='auto'), which adds "
@@ -125,7 +135,8 @@ def load_checked(cfg, ids: dict, attn_implementation: str | None = None, hint: s
     """``create_model``'s first half for every HF backend: the checkpoint at cfg.model.path in fp32 on
     this worker's device type, its embeddings checked against the run's tokenizer ``ids``."""
     device_type = "cuda" if cfg.train.use_gpu and torch.cuda.is_available() else "cpu"
-    hf = load_hf_model(cfg.model.path, attn_implementation or cfg.model.attn_implementation, device_type)
+    hf = load_hf_model(cfg.model.path, attn_implementation or cfg.model.attn_implementation, device_type,
+                       qlora=bool(getattr(cfg.model, "qlora", False)))
     check_token_ids(hf, ids, hint)
     return hf
 

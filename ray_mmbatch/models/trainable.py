@@ -140,6 +140,8 @@ def check_config(cfg) -> None:
     parse_parts(cfg.model.freeze)
     if int(cfg.model.lora_rank) < 0:
         raise ValueError(f"--lora-rank must be >= 0, got {cfg.model.lora_rank}")
+    if cfg.model.qlora:
+        check_qlora(cfg)
     if int(cfg.model.lora_rank) == 0:
         if cfg.model.merge_lora:
             raise ValueError("--merge-lora needs a LoRA run (--lora-rank R)")
@@ -152,6 +154,30 @@ def check_config(cfg) -> None:
         raise ValueError("--merge-lora with --fsdp is not supported (the merge needs the full weights on one "
                          "rank): export the adapter, then PeftModel.from_pretrained(base, OUTPUT_DIR/adapter)"
                          ".merge_and_unload()")
+
+
+def check_qlora(cfg) -> None:
+    """--qlora runs only where it can: a LoRA run on an HF checkpoint, a CUDA GPU, bitsandbytes, no FSDP.
+    Each refusal names why (the driver calls it before any Ray work)."""
+    why = []
+    if int(cfg.model.lora_rank) <= 0:
+        why.append("it trains LoRA adapters on the 4-bit base: give --lora-rank R")
+    if not cfg.model.path:
+        why.append("it quantizes a Hugging Face checkpoint (--model DIR); the built-in model is trained from scratch")
+    if not (cfg.train.use_gpu and torch.cuda.is_available()):
+        why.append("4-bit NF4 layers run on CUDA only: train with --use-gpu on a machine with an NVIDIA GPU "
+                   f"(here: use_gpu={cfg.train.use_gpu}, CUDA available={torch.cuda.is_available()})")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        why.append("bitsandbytes is not installed: pip install bitsandbytes")
+    if cfg.train.fsdp:
+        why.append("sharding 4-bit layers with FSDP2 is not supported here: use DDP (no --fsdp)")
+    if cfg.model.merge_lora:
+        why.append("--merge-lora would fold adapters into 4-bit weights: export the adapter and merge it into the "
+                   "full-precision checkpoint afterwards")
+    if why:
+        raise ValueError("--qlora refused: " + "; ".join(why))
 
 
 def configure_trainable(model: nn.Module, cfg) -> dict[str, int]:
