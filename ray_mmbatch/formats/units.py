@@ -49,17 +49,18 @@ def read_units(path: str, data_cfg: DataConfig):
     if data_cfg.sources:
         from ray_mmbatch.formats.sources import SOURCE, BlendPlan, blended, data_sources
 
+        sources, blend = data_sources(data_cfg), blended(data_cfg)
         units, specs, rows = [], [], []
-        for k, src in enumerate(data_sources(data_cfg)):
+        for k, src in enumerate(sources):
             fmt, listed = formats.list_units(src.data.path, src.data)
             first = 0
             for u in listed:  # each unit's first row within its source: the blend draws per source row
                 units.append(dict(u, **{SOURCE: k, SOURCE_ROW0: first}))
-                first += formats.FORMATS[fmt].count([u], src.data)
+                if blend:  # row counts only where the blend needs them (a tar shard's are read from its headers)
+                    first += formats.FORMATS[fmt].count([u], src.data)
             rows.append(first)
             specs.append((src.name, fmt, src.data))
-        plan = BlendPlan(rows, [s.weight for s in data_sources(data_cfg)], data_cfg.epoch_samples) \
-            if blended(data_cfg) else None
+        plan = BlendPlan(rows, [s.weight for s in sources], data_cfg.epoch_samples) if blend else None
         return units, read_source_units, {"sources": specs, "blend": plan, "epoch": 0, "seed": 0}
     fmt, units = formats.list_units(path, data_cfg)
     return units, read_unit_table, {"fmt": fmt, "data_cfg": data_cfg}
