@@ -26,11 +26,12 @@ floor) and a plain shuffle buffer of the default size over file order (what a
 
 ``--blend SIZES`` (instead): three sources (Parquet, WebDataset, LLaVA) of those sizes blended by
 ``--weights`` (formats/sources.py), each epoch's order from ``local_batches`` (the Ray path's
-order in deterministic mode), cut into 20 parts: per source, the epoch's count against its
-target and the largest gap between its share of a part and its weight, next to a uniformly
-random order of the same samples (the same gap a plain random draw leaves).
+order in deterministic mode), cut into 5 and into 20 parts: per source, the epoch's count
+against its target and the largest gap between its share of a part and its weight, for parts
+of the blend's order (``blend``) and of a uniformly random order of the same samples (``random``:
+the gap a plain random draw leaves), worst over ``--seeds`` seeds x ``--epochs`` epochs.
 
-    python benchmarks/bench_mixing.py --blend 300,300,300 [--weights 0.6,0.3,0.1] [--epochs 3]
+    python benchmarks/bench_mixing.py --blend 300,300,300 [--weights 0.6,0.3,0.1] [--epochs 3] [--seeds 5]
 """
 from __future__ import annotations
 
@@ -98,7 +99,22 @@ def figures(positions: np.ndarray, unit_subset: np.ndarray) -> dict:
     return order_figures(order, unit_subset[positions >> ROW_BITS])
 
 
-def blend_report(sizes: list[int], weights: list[float], epochs: int, root: str, parts: int = 20) -> list[dict]:
+def _worst_gaps(order: list[str], want: dict, parts: int) -> dict:
+    """Per source: the largest |share of a part - weight| over ``parts`` equal parts of ``order``."""
+    from collections import Counter
+
+    n = len(order)
+    bounds = [k * n // parts for k in range(parts + 1)]
+    gaps = {f: 0.0 for f in want}
+    for a, b in zip(bounds, bounds[1:]):
+        if b > a:
+            c = Counter(order[a:b])
+            for f in want:
+                gaps[f] = max(gaps[f], abs(c[f] / (b - a) - want[f]))
+    return gaps
+
+
+def blend_report(sizes: list[int], weights: list[float], epochs: int, root: str, seeds: int = 1) -> list[dict]:
     """Realized shares of a blend per part of each epoch (see the module docstring)."""
     from collections import Counter
 
@@ -119,21 +135,18 @@ def blend_report(sizes: list[int], weights: list[float], epochs: int, root: str,
     want = {f: w / sum(weights) for f, w in zip(fmts, weights)}
     rng = np.random.default_rng(0)
     out = []
-    for epoch in range(epochs):
-        ids = [str(s) for b in local_batches(cfg, epoch=epoch) for s in b["sample_ids"]]
-        src = [source_of(i) for i in ids]
-        rand = list(rng.permutation(src))
-        row = {"epoch": epoch, "samples": len(ids), "counts": dict(Counter(src)),
-               "targets": {f: round(want[f] * total) for f in fmts}}
-        for label, order in (("blend", src), ("random", rand)):
-            gaps = {f: 0.0 for f in fmts}
-            for k in range(parts):
-                part = order[k * len(order) // parts:(k + 1) * len(order) // parts]
-                c = Counter(part)
-                for f in fmts:
-                    gaps[f] = max(gaps[f], abs(c[f] / len(part) - want[f]))
-            row[f"worst_gap_{label}"] = gaps
-        out.append(row)
+    for seed in range(seeds):
+        cfg.train.seed = seed
+        for epoch in range(epochs):
+            batches = [[str(s) for s in b["sample_ids"]] for b in local_batches(cfg, epoch=epoch)]
+            src = [source_of(i) for b in batches for i in b]
+            rand = list(rng.permutation(src))
+            row = {"seed": seed, "epoch": epoch, "samples": len(src), "batches": len(batches),
+                   "counts": dict(Counter(src)), "targets": {f: round(want[f] * total) for f in fmts}}
+            for parts in (5, 20):
+                row[f"worst_gap_blend_{parts}"] = _worst_gaps(src, want, parts)
+                row[f"worst_gap_random_{parts}"] = _worst_gaps(rand, want, parts)
+            out.append(row)
     return out
 
 
@@ -142,6 +155,7 @@ def main(argv=None):
     ap.add_argument("--blend", default="", help="sizes of three sources, e.g. 300,300,300: the blend report instead")
     ap.add_argument("--weights", default="0.6,0.3,0.1")
     ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--seeds", type=int, default=1, help="--blend: train.seed 0 .. N-1, each for --epochs epochs")
     ap.add_argument("--subsets", type=int, default=16)
     ap.add_argument("--per-subset", type=int, default=400)
     ap.add_argument("--shard-size", type=int, default=50, help="samples per tar shard (the read unit)")
@@ -153,12 +167,18 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.blend:
         rows = blend_report([int(x) for x in args.blend.split(",")], [float(x) for x in args.weights.split(",")],
-                            args.epochs, args.data_root)
+                            args.epochs, args.data_root, args.seeds)
         for r in rows:
-            print(f"epoch {r['epoch']}: {r['samples']} samples, counts {r['counts']} (targets {r['targets']})")
+            print(f"seed {r['seed']} epoch {r['epoch']}: {r['samples']} samples in {r['batches']} batches, "
+                  f"counts {r['counts']} (targets {r['targets']})")
+            for parts in (5, 20):
+                for label in ("blend", "random"):
+                    gaps = ", ".join(f"{f} {g:.3f}" for f, g in r[f"worst_gap_{label}_{parts}"].items())
+                    print(f"  worst |share - weight| over {parts:>2} parts, {label:<6}: {gaps}")
+        for parts in (5, 20):
             for label in ("blend", "random"):
-                gaps = ", ".join(f"{f} {g:.3f}" for f, g in r[f"worst_gap_{label}"].items())
-                print(f"  worst |share - weight| over 20 parts, {label:<6}: {gaps}")
+                worst = max(g for r in rows for g in r[f"worst_gap_{label}_{parts}"].values())
+                print(f"worst over all seeds and epochs, {parts:>2} parts, {label:<6}: {worst:.3f}")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return rows

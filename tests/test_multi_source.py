@@ -168,10 +168,19 @@ def test_blend_counts_up_and_down_sampling_and_the_mix_of_every_fifth(equal_thre
         assert per == {"parquet": 180, "webdataset": 90, "llava": 30}  # exact shares of 0.6 / 0.3 / 0.1
         up = [_base(i) for i in ids if source_of(i) == "parquet"]
         assert len(set(up)) == 100 and max(Counter(up).values()) == 2  # every sample once, 80 of them twice
-        for f in range(5):  # the mix of every stretch, not just the totals
+        for f in range(5):  # the mix of every stretch, not just the totals (stratified: batching/shuffle.py)
             part = ids[f * 60:(f + 1) * 60]
             for name, w in (("parquet", 0.6), ("webdataset", 0.3), ("llava", 0.1)):
-                assert abs(sum(source_of(i) == name for i in part) / 60 - w) <= 0.1, (f, name)
+                # the issue asks 0.1; a plain random order misses 0.05 here (3 samples of 60)
+                assert abs(sum(source_of(i) == name for i in part) / 60 - w) <= 0.05, (f, name)
+    for seed in (1, 2):  # not one lucky seed
+        cfg.train.seed = seed
+        ids = [str(s) for b in local_batches(cfg) for s in b["sample_ids"]]
+        for f in range(5):
+            part = ids[f * 60:(f + 1) * 60]
+            for name, w in (("parquet", 0.6), ("webdataset", 0.3), ("llava", 0.1)):
+                assert abs(sum(source_of(i) == name for i in part) / 60 - w) <= 0.05, (seed, f, name)
+    cfg.train.seed = 0
     down = [{i for i in ids if source_of(i) == "llava"} for ids in epochs]
     assert len(down[0]) == 30 and down[0] != down[1]  # a seeded subset, another one each epoch
     again = [str(s) for b in local_batches(cfg, epoch=0) for s in b["sample_ids"]]

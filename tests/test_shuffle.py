@@ -127,3 +127,86 @@ def test_an_early_end_row_loses_nothing(tmp_path):
     for window in _chunks(iter(rest[:5] + end + rest[5:]), 6):  # the end row in the first window
         planned += [s for ids in stage(window)[S.BATCH_SAMPLE_IDS] for s in ids]
     assert sorted(planned) == sorted(manifest["ids"])
+
+
+# --- a blend's strata (formats/sources.py): the stratified buffer, unit order and batch order ---
+
+_SHARES = {"a": 0.6, "b": 0.3, "c": 0.1}
+
+
+def _label(item: str) -> str:
+    return item[0]
+
+
+def _worst_share_gap(order: list[str], shares: dict, part: int) -> float:
+    """The largest |share of a label in a stretch of ``part`` items - its share|, over every stretch."""
+    worst = 0.0
+    for start in range(0, len(order) - part + 1, max(1, part // 4)):
+        chunk = order[start:start + part]
+        for k, w in shares.items():
+            worst = max(worst, abs(sum(_label(i) == k for i in chunk) / part - w))
+    return worst
+
+
+@pytest.mark.parametrize("capacity", [50, 100_000])
+def test_stratified_buffer_every_item_once_and_every_stretch_by_the_shares(capacity):
+    from ray_mmbatch.batching.shuffle import stratified_unit_order
+
+    # units of 10 rows of one source each (600 / 300 / 100 rows), read in the stratified unit order
+    units = [[f"{k}{n}" for n in range(u * 10, u * 10 + 10)] for k, count in (("a", 60), ("b", 30), ("c", 10))
+             for u in range(count)]
+    order = stratified_unit_order([u[0][0] for u in units], [10] * len(units), seed=5, epoch=0)
+    items = [i for u in order for i in units[u]]
+    runs = []
+    for chunk in (1, 17, 1000):
+        buf = ShuffleBuffer(capacity, seed=5, epoch=0, shares=_SHARES, label=_label)
+        runs.append(_through(buf, items, chunk))
+    assert sorted(runs[0]) == sorted(items) and all(r == runs[0] for r in runs[1:])
+    assert _worst_share_gap(runs[0], _SHARES, 50) <= 0.04  # within 2 items of 50, in every stretch
+    plain = [items[i] for i in _through(ShuffleBuffer(capacity, seed=5, epoch=0), list(range(len(items))), 17)]
+    assert _worst_share_gap(plain, _SHARES, 50) > 0.06  # what a plain buffer leaves: the test can fail
+    other = _through(ShuffleBuffer(capacity, seed=6, epoch=0, shares=_SHARES, label=_label), items, 17)
+    assert other != runs[0] and sorted(other) == sorted(items)
+
+
+def test_stratified_buffer_passes_over_an_empty_label_and_needs_its_labels():
+    items = [f"a{n}" for n in range(30)] + [f"c{n}" for n in range(5)]  # no "b" at all, "c" late
+    out = _through(ShuffleBuffer(8, seed=0, epoch=0, shares=_SHARES, label=_label), items, 4)
+    assert sorted(out) == sorted(items)
+    with pytest.raises(ValueError, match="label"):
+        ShuffleBuffer(8, 0, 0, shares=_SHARES)
+
+
+def test_stratified_unit_order_spreads_every_source_over_the_stream():
+    from ray_mmbatch.batching.shuffle import stratified_unit_order
+
+    labels = [0] * 40 + [1] * 10 + [2] * 5  # the listing: source after source
+    sizes = [25] * 40 + [50] * 10 + [20] * 5
+    order = stratified_unit_order(labels, sizes, seed=1, epoch=0)
+    assert sorted(order) == list(range(55))
+    assert order == stratified_unit_order(labels, sizes, 1, 0) != stratified_unit_order(labels, sizes, 1, 1)
+    for k in range(3):  # each source's rows read by each fifth of the stream: within one unit of even
+        rows = np.cumsum([sizes[u] if labels[u] == k else 0 for u in order])
+        total, n = rows[-1], len(order)
+        for f in (1, 2, 3, 4):
+            unit = max(sizes[u] for u in order if labels[u] == k) / total
+            assert abs(rows[f * n // 5 - 1] / total - f / 5) <= unit + 0.05
+    assert unit_order(55, 1, 0, "units")[:10] != order[:10]
+
+
+def test_batch_mix_orders_batches_by_the_running_shares():
+    from ray_mmbatch.batching.shuffle import BatchMix
+
+    rng = random.Random(0)
+    pool = [f"{k}{n}" for k, count in (("a", 600), ("b", 300), ("c", 100)) for n in range(count)]
+    rng.shuffle(pool)
+    pool.sort(key=lambda i: i[0] != "a")  # batches that are mostly one source, as length grouping can make
+    batches = [pool[k:k + 10] for k in range(0, len(pool), 10)]
+    rng.shuffle(batches)
+    mix = BatchMix(_SHARES, _label)
+    ordered = mix.order(list(batches[:50])) + mix.order(list(batches[50:]))  # two windows, one running count
+    assert sorted(map(tuple, ordered)) == sorted(map(tuple, batches))
+    flat = [i for b in ordered for i in b]
+    assert _worst_share_gap(flat, _SHARES, 200) <= 0.05 + 1e-9  # one batch of the stretch's 20
+    alone = [i for b in batches for i in b]  # the seeded order alone: two batches off
+    assert _worst_share_gap(alone, _SHARES, 200) >= 0.1 - 1e-9

@@ -14,6 +14,11 @@ two steps, both functions of ``(seed, epoch)`` and of the stream, never of a wor
         v
     the planner's windows (batching/carry.py), batch order shuffled per window (plan.py)
 
+A blend of sources by weight (formats/sources.py) is stratified at both steps: the units of
+each source are spread evenly over the read stream (``stratified_unit_order``) and the buffer
+keeps one part per source and lets out the source furthest behind its share (Megatron-LM's
+blending rule), so every stretch of the epoch follows the weights, not just its totals.
+
 What it guarantees: every row pushed leaves exactly once (a swap or the flush); the output
 is a function of the input sequence and (seed, epoch, B) only, so how the stream is cut
 into windows changes nothing, and the same seed, data and settings give the same order
@@ -33,7 +38,7 @@ figures in benchmarks/RESULTS.md ("Mixing").
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -83,6 +88,34 @@ def unit_order(n_units: int, seed: int, epoch: int, mode: str) -> list[int]:
     return random.Random(stream_seed(seed, epoch)).sample(range(n_units), n_units)
 
 
+def stratified_unit_order(labels: Sequence[Hashable], sizes: Sequence[int], seed: int, epoch: int) -> list[int]:
+    """A unit order that spreads every stratum (a blend's source) evenly over the epoch.
+
+    Each stratum's units are drawn in a seeded order; a unit of r rows that starts at row c of
+    its stratum's R rows is due at time (c + r / 2) / R, the middle of the stretch of its
+    stratum it covers; all units are merged by that time (ties by a seeded draw). Every part
+    of the read stream then holds each stratum in proportion to its rows (a blend's copies
+    are the same multiple of every row of a source, so in proportion to its weight too),
+    which keeps the stratified buffer below fed from every source.
+    """
+    rng = random.Random(stream_seed(seed, epoch, salt=4))
+    strata: dict[Hashable, list[int]] = {}
+    for i, label in enumerate(labels):
+        strata.setdefault(label, []).append(i)
+    keyed = []
+    for label in sorted(strata, key=repr):
+        units = strata[label]
+        rng.shuffle(units)
+        sized = [max(0, int(sizes[i])) for i in units]
+        if not sum(sized):
+            sized = [1] * len(units)
+        total, start = float(sum(sized)), 0
+        for i, r in zip(units, sized):
+            keyed.append(((start + r / 2) / total, rng.random(), i))
+            start += r
+    return [i for _, _, i in sorted(keyed)]
+
+
 class ShuffleBuffer(Generic[T]):
     """A seeded swap buffer of ``capacity`` items (see the module header).
 
@@ -90,17 +123,36 @@ class ShuffleBuffer(Generic[T]):
     item pushed); ``flush()`` returns what is left in a seeded order and empties it. Items are
     opaque; ``positions`` are their read positions (distinct within an epoch), which seed the
     slot each one swaps into. ``capacity`` 0 passes items straight through.
+
+    Stratified (``shares``: {label: share of the epoch}, ``label``: item -> its label; a blend's
+    sources): each label's items wait in a part of their own (the capacity counts them all),
+    and each item that leaves comes from the label furthest behind its share of what has left
+    so far (Megatron-LM's blending rule: the largest share x (n + 1) - emitted), from a seeded
+    random slot of that part. Every stretch of the output then holds each label within about
+    one item of its share, however small the set, as long as the input feeds every part
+    (``stratified_unit_order``); a label with nothing waiting is passed over, so every item
+    still leaves exactly once.
     """
 
-    def __init__(self, capacity: int, seed: int, epoch: int):
+    def __init__(self, capacity: int, seed: int, epoch: int, shares: dict | None = None,
+                 label: Callable[[T], Hashable] | None = None):
         if capacity < 0:
             raise ValueError(f"shuffle buffer capacity must be >= 0, got {capacity}")
+        if shares and label is None:
+            raise ValueError("a stratified shuffle buffer needs label (item -> its stratum) with its shares")
         self.capacity, self.seed, self.epoch = int(capacity), int(seed), int(epoch)
         self.items: list[T] = []
         self.pushed = self.flushes = 0
+        total = float(sum(shares.values())) if shares else 0.0
+        self.shares = {k: float(v) / total for k, v in shares.items()} if total > 0 else None
+        self.label = label
+        self.parts: dict[Hashable, list[T]] = {}
+        self.emitted: dict[Hashable, int] = {}
+        self.held = self.left = 0
+        self.rng = random.Random(stream_seed(seed, epoch, salt=3))
 
     def __len__(self) -> int:
-        return len(self.items)
+        return self.held if self.shares else len(self.items)
 
     def push(self, items: Sequence[T], positions: Sequence[int] | np.ndarray) -> list[T]:
         if len(items) != len(positions):
@@ -108,6 +160,14 @@ class ShuffleBuffer(Generic[T]):
         self.pushed += len(items)
         if self.capacity == 0:
             return list(items)
+        if self.shares:
+            out: list[T] = []
+            for item in items:
+                self.parts.setdefault(self.label(item), []).append(item)
+                self.held += 1
+                if self.held > self.capacity:
+                    out.append(self._pop())
+            return out
         slots = (position_hash(positions, self.seed, self.epoch) % np.uint64(self.capacity)).tolist()
         out: list[T] = []
         buf, cap = self.items, self.capacity
@@ -119,9 +179,69 @@ class ShuffleBuffer(Generic[T]):
                 buf[slot] = item
         return out
 
+    def _pop(self) -> T:
+        """One item out of a stratified buffer: from the label furthest behind its share."""
+        n = self.left + 1
+        best = max((k for k, part in self.parts.items() if part),
+                   key=lambda k: (self.shares.get(k, 0.0) * n - self.emitted.get(k, 0), repr(k)))
+        part = self.parts[best]
+        slot = self.rng.randrange(len(part))
+        part[slot], part[-1] = part[-1], part[slot]
+        self.emitted[best] = self.emitted.get(best, 0) + 1
+        self.held -= 1
+        self.left += 1
+        return part.pop()
+
     def flush(self) -> list[T]:
         """Everything held, in an order seeded by (seed, epoch, rows pushed so far)."""
+        if self.shares:
+            out = [self._pop() for _ in range(self.held)]
+            self.flushes += 1
+            return out
         out, self.items = self.items, []
         random.Random(stream_seed(self.seed, self.epoch, salt=2 + self.pushed)).shuffle(out)
         self.flushes += 1
+        return out
+
+
+class BatchMix(Generic[T]):
+    """Orders each window's planned batches so the running mix of the epoch follows the shares.
+
+    The planner groups a window's samples by length, so a batch can hold one source more than
+    another, and the window's batches leave in a seeded random order; for a blend (``shares``:
+    {label: share}, ``label``: item -> its label) ``order`` instead lets out, batch after
+    batch, the one that keeps the labels' running counts over the epoch (across windows)
+    closest to their shares (least total |count - share x samples|), the seeded order
+    breaking ties. A window then spreads each source over its stretch of the epoch, and no
+    stretch drifts from the weights by more than about a batch. O(B^2 x labels) numpy per
+    window of B batches.
+    """
+
+    def __init__(self, shares: dict, label: Callable[[T], Hashable]):
+        self.names = sorted(shares, key=repr)
+        self.index = {k: i for i, k in enumerate(self.names)}
+        total = float(sum(shares.values())) or 1.0
+        self.share = np.array([float(shares[k]) / total for k in self.names] + [0.0])  # last: unknown labels
+        self.label = label
+        self.counts = np.zeros(len(self.share))
+
+    def order(self, batches: list[list[T]]) -> list[list[T]]:
+        if not batches:
+            return batches
+        other = len(self.names)
+        c = np.zeros((len(batches), len(self.share)))
+        for b, members in enumerate(batches):
+            for item in members:
+                c[b, self.index.get(self.label(item), other)] += 1
+        n = c.sum(axis=1)
+        left = np.arange(len(batches))
+        out = []
+        while len(left):
+            after = self.counts + c[left]
+            dev = np.abs(after - self.share * (self.counts.sum() + n[left])[:, None]).sum(axis=1)
+            k = int(np.argmin(dev))  # the first of equals: the seeded order decides
+            j = int(left[k])
+            out.append(batches[j])
+            self.counts += c[j]
+            left = np.delete(left, k)
         return out

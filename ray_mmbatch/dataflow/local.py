@@ -22,14 +22,15 @@ from ray_mmbatch.data.errors import decode_skips
 
 
 def _raw_rows(cfg: Config, end_marker: bool, shard: tuple[int, int] = (0, 1),
-              epoch: int = 0, split=None) -> Iterator[dict[str, Any]]:
+              epoch: int = 0, split=None, reader: tuple | None = None) -> Iterator[dict[str, Any]]:
     from ray_mmbatch.dataflow.stages import epoch_unit_order
     from ray_mmbatch.formats.end_of_stream import with_end_unit
     from ray_mmbatch.formats.units import for_epoch, read_units, read_with_position
 
-    units, read_fn, kwargs = for_epoch(read_units(cfg.data.path, cfg.data), cfg.train.seed, epoch)
+    reader = for_epoch(reader or read_units(cfg.data.path, cfg.data), cfg.train.seed, epoch)
+    units, read_fn, kwargs = reader
     index, count = shard
-    order = epoch_unit_order(len(units), cfg.data, cfg.train.seed, epoch)  # the Ray path's unit order
+    order = epoch_unit_order(reader, cfg.data, cfg.train.seed, epoch)  # the Ray path's unit order
     units = [dict(units[i], **{S.UNIT: i}) for k, i in enumerate(order) if k % count == index]  # global unit ids
     units = with_end_unit(units, end_marker)
     for unit in units:
@@ -53,11 +54,11 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 
 def _measured_rows(cfg: Config, end_marker: bool, payloads, shard: tuple[int, int] = (0, 1),
-                   epoch: int = 0, split=None) -> Iterator[dict]:
+                   epoch: int = 0, split=None, reader: tuple | None = None) -> Iterator[dict]:
     from ray_mmbatch.dataflow.stages import MeasureStage
 
     stage = MeasureStage(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch)
-    for batch in _chunks(_raw_rows(cfg, end_marker, shard, epoch, split), max(1, cfg.data.measure_batch)):
+    for batch in _chunks(_raw_rows(cfg, end_marker, shard, epoch, split, reader), max(1, cfg.data.measure_batch)):
         out = stage(batch)
         n = len(out[S.SAMPLE_ID])
         yield from ({k: v[i] for k, v in out.items()} for i in range(n))
@@ -85,10 +86,12 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     from ray_mmbatch.dataflow.stages import (
         CarryPlanStage,
         MaterializeStage,
+        blend_strata,
         plan_rows,
         shuffle_buffer_size,
         uses_plan_actor,
     )
+    from ray_mmbatch.formats.units import read_units
     from ray_mmbatch.models import configure, token_ids
 
     cfg = configure(copy.deepcopy(cfg))
@@ -104,12 +107,14 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
         raise ValueError("local_batches needs cfg.data.path (a Parquet / WebDataset / LLaVA dataset)")
     stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
     seed = cfg.train.seed
-    planner = CarryPlanStage(cfg.budget, seed, epoch, shuffle_buffer_size(cfg.data)) if stateful else None
+    reader = read_units(cfg.data.path, cfg.data)
+    planner = CarryPlanStage(cfg.budget, seed, epoch, shuffle_buffer_size(cfg.data),
+                             blend_strata(reader)) if stateful else None
     payloads = LocalPayloads()
     materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"], payloads)
     done = 0
     measured = _measured_rows(cfg, end_marker=stateful, payloads=payloads, shard=shard, epoch=epoch,
-                              split=read_split)
+                              split=read_split, reader=reader)
     for window in _chunks(measured, max(1, cfg.budget.window)):
         plans = planner(window) if stateful else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):

@@ -38,6 +38,7 @@ from ray_mmbatch.dataflow.stages import (
     CarryPlanStage,
     MaterializeStage,
     MeasureStage,
+    blend_strata,
     epoch_unit_order,
     plan_rows,
     shuffle_buffer_size,
@@ -89,7 +90,7 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     from ray_mmbatch.formats.units import for_epoch, read_units
 
     reader = for_epoch(reader or read_units(cfg.data.path, cfg.data), cfg.train.seed, epoch)  # a blend's copies
-    order = epoch_unit_order(len(reader[0]), cfg.data, cfg.train.seed, epoch)
+    order = epoch_unit_order(reader, cfg.data, cfg.train.seed, epoch)
     ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, reader=reader,
                   split=train_split(cfg.data))  # --eval-split: the held-out ids are never read for training
     return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
@@ -136,7 +137,8 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
             warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
             plans = measured.map_batches(
                 CarryPlanStage, batch_size=cfg.budget.window, batch_format="numpy",
-                fn_constructor_args=(cfg.budget, cfg.train.seed, epoch, shuffle_buffer_size(cfg.data)),
+                fn_constructor_args=(cfg.budget, cfg.train.seed, epoch, shuffle_buffer_size(cfg.data),
+                                     blend_strata(reader)),
                 num_cpus=PLAN_CPUS,
                 compute=ray.data.ActorPoolStrategy(size=1),
                 allow_out_of_order_execution=False, **stage_args(cfg))

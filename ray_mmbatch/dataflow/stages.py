@@ -54,11 +54,38 @@ def uses_plan_actor(budget_cfg: BudgetConfig, data_cfg: DataConfig) -> bool:
     return uses_carry(budget_cfg) or shuffle_buffer_size(data_cfg) > 0
 
 
-def epoch_unit_order(n_units: int, data_cfg: DataConfig, seed: int | None, epoch: int) -> list[int]:
-    """The order epoch ``epoch`` reads its units in (batching/shuffle.unit_order under --shuffle)."""
-    from ray_mmbatch.batching.shuffle import unit_order
+def epoch_unit_order(reader: tuple, data_cfg: DataConfig, seed: int | None, epoch: int) -> list[int]:
+    """The order epoch ``epoch`` reads the units of ``reader`` (formats/units.read_units) in:
+    batching/shuffle.unit_order under --shuffle, stratified by source for a blend."""
+    from ray_mmbatch.batching.shuffle import check_mode, stratified_unit_order, unit_order
 
-    return unit_order(n_units, seed or 0, epoch, data_cfg.shuffle)
+    units, _, kwargs = reader
+    blend = kwargs.get("blend")
+    if blend is None or check_mode(data_cfg.shuffle) == "none":
+        return unit_order(len(units), seed or 0, epoch, data_cfg.shuffle)
+    from ray_mmbatch.formats.sources import SOURCE
+    from ray_mmbatch.formats.units import SOURCE_ROW0
+
+    labels = [int(u[SOURCE]) for u in units]
+    ends = [int(u[SOURCE_ROW0]) for u in units[1:]] + [0]
+    sizes = [(ends[i] if i + 1 < len(units) and labels[i + 1] == k else blend.rows[k]) - int(u[SOURCE_ROW0])
+             for i, (u, k) in enumerate(zip(units, labels))]
+    return stratified_unit_order(labels, sizes, seed or 0, epoch)
+
+
+def blend_strata(reader: tuple) -> dict[str, float] | None:
+    """{source name: share of the epoch} of a blend (what the plan stage's buffer stratifies by), else None."""
+    units, _, kwargs = reader
+    blend = kwargs.get("blend")
+    if blend is None:
+        return None
+    return {name: float(t) for (name, _, _), t in zip(kwargs["sources"], blend.targets)}
+
+
+def _source_label(row: dict[str, Any]) -> str:
+    from ray_mmbatch.formats.sources import source_of
+
+    return source_of(str(row[S.SAMPLE_ID]))
 
 
 def window_seed(seed: int, epoch: int, window_key: str) -> int:
@@ -206,14 +233,18 @@ class CarryPlanStage:
     so the held-back samples are planned again.
     """
 
-    def __init__(self, budget_cfg: BudgetConfig, seed: int, epoch: int, shuffle_buffer: int = 0):
+    def __init__(self, budget_cfg: BudgetConfig, seed: int, epoch: int, shuffle_buffer: int = 0,
+                 strata: dict[str, float] | None = None):
         from ray_mmbatch.batching import Budget
         from ray_mmbatch.batching.carry import CarryPlanner
-        from ray_mmbatch.batching.shuffle import ShuffleBuffer
+        from ray_mmbatch.batching.shuffle import BatchMix, ShuffleBuffer
 
         self.seed, self.epoch, self.window = seed, epoch, max(1, budget_cfg.window)
         self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
-        self.buffer = ShuffleBuffer(shuffle_buffer, seed or 0, epoch)
+        # strata (a blend: {source: share}): the buffer lets out each source by its share (batching/shuffle.py)
+        self.buffer = ShuffleBuffer(shuffle_buffer, seed or 0, epoch, shares=strata,
+                                    label=_source_label if strata else None)
+        self.mix = BatchMix(strata, _source_label) if strata else None  # and the batches leave by the shares too
         self.pending: list[dict] = []  # rows out of the buffer, planned once a whole window is here
         self.ended = False  # the end-of-stream row has been seen: hold nothing from now on
         ray = sys.modules.get("ray")  # loaded in a Ray actor; in-process (local.py) there is no actor to restart
@@ -235,10 +266,17 @@ class CarryPlanStage:
         while len(self.pending) >= self.window or (self.ended and self.pending):
             part, self.pending = self.pending[:self.window], self.pending[self.window:]
             key = str(part[0][S.SAMPLE_ID])  # a function of the stream, not of Ray's batch cuts
-            groups += self.planner.feed(part, *_costs(part), seed=window_seed(self.seed, self.epoch, key))
+            groups += self._mixed(self.planner.feed(part, *_costs(part),
+                                                    seed=window_seed(self.seed, self.epoch, key)))
         if self.ended:
-            groups += self.planner.flush(seed=window_seed(self.seed, self.epoch, "end"))
+            groups += self._mixed(self.planner.flush(seed=window_seed(self.seed, self.epoch, "end")))
         return _plan_output(groups, skipped, self.epoch, window_key)
+
+
+    def _mixed(self, groups: list[list[dict]]) -> list[list[dict]]:
+        """One window's batches, in the blend's order (BatchMix) when there is one (per window, so
+        the order does not depend on how Ray cuts the stream into calls)."""
+        return self.mix.order(groups) if self.mix is not None else groups
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
