@@ -355,12 +355,14 @@ TRAINABLE = {"full": {}, "lora": {"lora_rank": 8, "lora_alpha": 16.0}, "freeze_v
 
 
 def apply_trainable(model, cfg: Config, which: str) -> dict:
-    """``+lora`` / ``+freeze_vision`` (models/trainable.py) on a fresh model; its parameter counts and
-    what a checkpoint of it holds: the full state dict (today's checkpoints) and, for LoRA, the adapter."""
+    """``+lora`` / ``+freeze_vision`` (models/trainable.py) on a fresh model; its parameter counts and the
+    sizes of: the full state dict, what a training checkpoint holds of it (train/checkpoint.py
+    ``checkpoint_weights``: the trainable weights and buffers) and, for LoRA, the exported adapter."""
     import copy
     import io
 
     from ray_mmbatch.models.trainable import configure_trainable, lora_state_dict
+    from ray_mmbatch.train.checkpoint import checkpoint_weights
 
     if which not in TRAINABLE:
         raise SystemExit(f"unknown trainable setting {which!r}; choose from {sorted(TRAINABLE)}")
@@ -374,7 +376,8 @@ def apply_trainable(model, cfg: Config, which: str) -> dict:
         torch.save(sd, buf)
         return buf.tell() / 2**20
 
-    out = {"trainable": which, **counts, "checkpoint_mb": mb(model.state_dict())}
+    out = {"trainable": which, **counts, "full_mb": mb(model.state_dict()),
+           "checkpoint_mb": mb(checkpoint_weights(model))}
     if which == "lora":
         out["adapter_mb"] = mb(lora_state_dict(model))
     return out
@@ -407,11 +410,12 @@ def _table(results: list[dict], base: dict) -> str:
             f"{r['peak_rss_mb']:>8.0f} (+{r['peak_step_rss_growth_mb']:.0f})"
             f"{r['real_tokens_per_s'] / base['real_tokens_per_s']:>8.2f}x")
     if any(r.get("trainable", "full") != "full" for r in results):  # +lora / +freeze_vision runs
-        lines.append(f"{'what trains':<34}{'trainable':>12}{'total':>12}{'checkpoint MB':>15}{'adapter MB':>12}")
+        lines.append(f"{'what trains':<34}{'trainable':>12}{'total':>12}{'full MB':>9}{'checkpoint MB':>15}"
+                     f"{'adapter MB':>12}")
         for r in results:
             adapter = f"{r['adapter_mb']:.2f}" if "adapter_mb" in r else "-"
             lines.append(f"{r['strategy']:<34}{r['trainable_params']:>12,}{r['total_params']:>12,}"
-                         f"{r['checkpoint_mb']:>15.2f}{adapter:>12}")
+                         f"{r['full_mb']:>9.2f}{r['checkpoint_mb']:>15.2f}{adapter:>12}")
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
 from ray_mmbatch import models
@@ -41,6 +42,24 @@ STATE = {"step": 2, "consumed": ["0:a", "0:b"]}
 
 def new_model(seed: int = 0):
     return build_model(MODEL, IMAGE, VOCAB, IMAGE_ID, PAD_ID, seed=seed)
+
+
+def lora_model(seed: int = 0):
+    """As a LoRA run starts: the seeded base, then the adapters (their lora_A drawn from the same stream)."""
+    from ray_mmbatch.models.trainable import add_lora
+
+    model = new_model(seed)
+    add_lora(model, dataclasses.replace(MODEL, lora_rank=4, lora_alpha=8.0))
+    return model
+
+
+def merge_rank_dirs(tmp: Path, prefix: str, merged: Path) -> None:
+    """Rank 0 copies every rank's folder into one, as Ray Train's upload merges them."""
+    merged.mkdir()
+    for r in range(WORLD):
+        for f in sorted((tmp / f"{prefix}{r}").iterdir()):
+            assert not (merged / f.name).exists(), f"rank {r} would overwrite {f.name}"
+            shutil.copy(f, merged / f.name)
 
 
 def sample(rng: np.random.Generator, n_text: int, n_images: int) -> dict:
@@ -83,12 +102,7 @@ def _scenarios(rank: int, tmp: Path) -> None:
     fsdp.save_sharded(tmp / f"rank{rank}", model, opt, sched, STATE)
     out["lr_saved"] = sched.get_last_lr()
     if rank == 0:
-        merged = tmp / "merged"
-        merged.mkdir()
-        for r in range(WORLD):
-            for f in sorted((tmp / f"rank{r}").iterdir()):
-                assert not (merged / f.name).exists(), f"rank {r} would overwrite {f.name}"
-                shutil.copy(f, merged / f.name)
+        merge_rank_dirs(tmp, "rank", tmp / "merged")
     dist.barrier()
     out["continued"] = optimizer_step(model, [batches[2][rank]], opt, sched, TRAIN, "cpu")
     out["full_continued"] = fsdp.full_state_dict(model)
@@ -99,6 +113,29 @@ def _scenarios(rank: int, tmp: Path) -> None:
     out["lr_restored"] = sched2.get_last_lr()
     out["resumed"] = optimizer_step(fresh, [batches[2][rank]], opt2, sched2, TRAIN, "cpu")
     out["full_resumed"] = fsdp.full_state_dict(fresh)
+
+    # LoRA: the sharded checkpoint holds the adapter weights only; a restart (the same seeded base, LoRA
+    # injected again, then the checkpoint) continues exactly; another base is refused
+    lora = fsdp.shard_model(lora_model(), "cpu")
+    opt4, sched4 = build_optimizer(lora, TRAIN, 10)
+    for s in (0, 1):
+        optimizer_step(lora, [batches[s][rank]], opt4, sched4, TRAIN, "cpu")
+    fsdp.save_sharded(tmp / f"lora{rank}", lora, opt4, sched4, STATE)
+    if rank == 0:
+        merge_rank_dirs(tmp, "lora", tmp / "lora_merged")
+    dist.barrier()
+    out["lora_continued"] = optimizer_step(lora, [batches[2][rank]], opt4, sched4, TRAIN, "cpu")
+    out["lora_full_continued"] = fsdp.full_state_dict(lora)
+    again = fsdp.shard_model(lora_model(), "cpu")
+    opt5, sched5 = build_optimizer(again, TRAIN, 10)
+    out["lora_state"] = fsdp.load_sharded(tmp / "lora_merged", again, opt5, sched5)
+    out["lora_resumed"] = optimizer_step(again, [batches[2][rank]], opt5, sched5, TRAIN, "cpu")
+    out["lora_full_resumed"] = fsdp.full_state_dict(again)
+    try:
+        fsdp.load_sharded(tmp / "lora_merged", fsdp.shard_model(lora_model(seed=1), "cpu"))
+        out["lora_other_base"] = ""
+    except ValueError as e:
+        out["lora_other_base"] = str(e)
 
     bf16 = fsdp.shard_model(new_model(), "cpu", mixed_precision=torch.bfloat16)
     out["bf16_param_dtype"] = str(next(bf16.parameters()).dtype)   # the fp32 shards the optimizer sees
@@ -173,6 +210,23 @@ def test_resume_from_merged_sharded_checkpoint_continues_exactly(run):
         assert out["resumed"]["lr"] == out["continued"]["lr"]
         assert out["lr_restored"] == out["lr_saved"]
     assert_state_dicts(out0["full_resumed"], out0["full_continued"], exact=True)
+
+
+@pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores
+def test_lora_sharded_checkpoint_holds_the_adapter_only_and_resumes_exactly(run):
+    tmp, out0, out1 = run
+    index = dcp.FileSystemReader(str(tmp / "lora_merged")).read_metadata().state_dict_metadata
+    model_keys = {k[len("model."):] for k in index if k.startswith("model.")}
+    lora_keys = {k for k in out0["lora_full_continued"] if "lora_" in k}
+    assert model_keys == lora_keys and len(model_keys) < len(out0["lora_full_continued"])
+    size = {d: sum(f.stat().st_size for f in (tmp / d).glob("*.distcp")) for d in ("merged", "lora_merged")}
+    assert size["lora_merged"] < size["merged"] / 4, size   # the adapters and their AdamW state (r 4 on d 32: ~1/5)
+    for out in (out0, out1):
+        assert out["lora_state"] == STATE                              # the weights record is not handed on
+        assert out["lora_resumed"]["loss"] == out["lora_continued"]["loss"]
+        assert "frozen weights this model was built with" in out["lora_other_base"]
+    assert_state_dicts(out0["lora_full_resumed"], out0["lora_full_continued"], exact=True)
+    assert any(v.abs().max() > 0 for k, v in out0["lora_full_resumed"].items() if "lora_B" in k)
 
 
 @pytest.mark.slow   # shares one spawn of two interpreters: ~25 s on 2 cores

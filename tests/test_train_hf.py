@@ -2,7 +2,8 @@
 
 Two workers on the shared local cluster, with DDP and with FSDP2 (gloo on CPU). The run stops
 at step 2, is re-run with the same output dir and resumes (model, optimizer and data position
-restored) to step 4; every sample trained is trained once. DDP runs with ``--freeze vision`` and
+restored) to step 4; every sample trained is trained once, and its checkpoints hold the trainable
+weights only. DDP runs with ``--freeze vision`` and
 ``--eval-split 0.25 --eval-every 2`` (the held-out loss at steps 2 and 4, its ids never trained):
 OUTPUT_DIR/model is a Hugging Face checkpoint that ``from_pretrained`` loads, whose vision
 encoder equals the starting checkpoint's while the rest moved. FSDP2 runs LoRA
@@ -19,6 +20,7 @@ import torch
 from ray_mmbatch.config import Config
 from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.synthetic.generate import generate_dataset
+from ray_mmbatch.train import checkpoint as ckpt
 from tests.hf_checkpoints import make_qwen_checkpoint
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -64,6 +66,21 @@ def test_hf_qwen2_vl_trains_resumes_and_exports(ray_cluster, tmp_path, fsdp):
     assert all(0 < x < 20 for x in losses)
     assert (summary["config"]["image"]["patch_size"] == 14
             and summary["config"]["text"]["image_token"] == "<|image_pad|>")
+
+    # the checkpoints hold the trainable weights only (the frozen ones are rebuilt from ck at the restart)
+    last = max((p.parent for p in out.rglob(ckpt.STATE)), key=lambda d: ckpt.load_state(d)["step"])
+    if fsdp:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        index = FileSystemReader(str(last)).read_metadata().state_dict_metadata
+        keys = {k[len("model."):] for k in index if k.startswith("model.")}
+        assert keys and all("lora_" in k for k in keys), sorted(keys)[:5]
+    else:
+        keys = set(torch.load(last / ckpt.MODEL, weights_only=True))
+        assert not {k for k in keys if ".visual." in k and ".merger." not in k}, "a frozen weight was saved"
+        assert {k for k in keys if ".visual.merger." in k} and {k for k in keys if "language_model" in k}
+    record = ckpt.load_state(last)[ckpt.WEIGHTS]
+    assert record["keys"] == len(keys) and record["frozen"]["elements"] > 0
 
     start = AutoModelForImageTextToText.from_pretrained(ck)
     assert 0 < summary["trainable_params"] < summary["total_params"]

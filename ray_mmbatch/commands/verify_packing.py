@@ -4,7 +4,13 @@ Runs packed (or padded) batches of DATA, and the same samples one at a time, thr
 model; prints the largest per-token loss difference as JSON and exits 1 above the tolerance
 (default 1e-4 nats in fp32, 0.05 in bf16), 2 when no batch could be made.
 
+On the model you fine-tune: the training flags --lora-rank / --lora-alpha / --lora-targets (and
+--freeze) put fresh adapters on it as a run does, or --adapter OUTPUT_DIR/adapter puts a finished
+run's adapter on --model. With adapters on, the gradients of the trainable (LoRA) weights are
+compared too (--grads auto; on / off to choose).
+
     ray-mmbatch verify-packing --model /ckpt/Qwen2-VL-2B-Instruct --data DATA --mode pack --batches 8
+    ray-mmbatch verify-packing --model /ckpt/Qwen2-VL-2B-Instruct --adapter runs/lora/adapter --data DATA
 """
 from __future__ import annotations
 
@@ -23,6 +29,14 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--tolerance", type=float, default=None,
                         help="largest allowed per-token difference in nats (default: 1e-4 fp32, 0.05 bf16)")
     parser.add_argument("--device", default="cuda" if _cuda() else "cpu", help="torch device (default: cuda if any)")
+    parser.add_argument("--adapter", default="", metavar="DIR",
+                        help="a PEFT LoRA adapter directory (a run's OUTPUT_DIR/adapter) to put on --model first")
+    parser.add_argument("--grads", choices=("auto", "on", "off"), default="auto",
+                        help="also compare the gradients of the weights that train (requires_grad); auto: when "
+                             "LoRA adapters are on (default: auto)")
+    parser.add_argument("--grad-tolerance", type=float, default=None,
+                        help="largest allowed ||g_planned - g_alone|| / ||g_alone|| per batch "
+                             "(default: 1e-4 fp32, 0.05 bf16)")
     return parser
 
 
@@ -30,16 +44,36 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     cfg = config_from_args(args)
 
+    import torch
+
     from ray_mmbatch import local_batches
     from ray_mmbatch.models import configure, get_backend, token_ids
+    from ray_mmbatch.models import trainable as T
     from ray_mmbatch.run.verify import verify
 
+    if args.adapter and int(cfg.model.lora_rank):
+        raise SystemExit("--adapter brings its own LoRA layers: leave out --lora-rank")
+    T.check_config(cfg)
     cfg = configure(cfg)
     ids = token_ids(cfg)
-    model = get_backend(cfg).create_model(cfg, ids).to(args.device)
+    torch.manual_seed(cfg.train.seed)  # the built-in model's weights and fresh adapters as a run draws them
+    model = get_backend(cfg).create_model(cfg, ids)
+    if args.adapter:
+        T.load_adapter(model, args.adapter)
+        if cfg.model.freeze:
+            T.freeze(model, cfg.model.freeze)
+    else:
+        T.configure_trainable(model, cfg)
+    model = model.to(args.device)
+    lora = hasattr(model, "lora_config")
     report = verify(model, local_batches(cfg, limit=args.batches), ids["pad_id"], args.device,
-                    cfg.train.precision if cfg.train.precision != "auto" else "fp32", args.tolerance)
+                    cfg.train.precision if cfg.train.precision != "auto" else "fp32", args.tolerance,
+                    grads=args.grads == "on" or (args.grads == "auto" and lora), grad_tolerance=args.grad_tolerance)
     report["model"] = cfg.model.path or "builtin (random init)"
+    if lora:
+        c = model.lora_config
+        targets = c.target_modules if isinstance(c.target_modules, str) else len(c.target_modules or ())
+        report["lora"] = {"adapter": args.adapter or None, "r": c.r, "alpha": c.lora_alpha, "targets": targets}
     print(json.dumps(report, indent=2))
     if not report["batches"]:
         return 2

@@ -20,7 +20,8 @@ LoRA (``--lora-rank R``) goes through ``peft``: LoRA layers are injected in plac
 suffixes such as ``q_proj,v_proj``), and every other parameter is frozen: the adapter holds
 the LoRA weights only. ``--freeze`` then has nothing left to freeze but may still be given.
 ``export_adapter`` writes a PEFT adapter directory that ``PeftModel.from_pretrained(base, dir)``
-loads on the checkpoint the run started from; ``merged_state_dict`` folds the adapters into
+loads on the checkpoint the run started from (``load_adapter`` puts one back on the project's model,
+for ``verify-packing --adapter``); ``merged_state_dict`` folds the adapters into
 the base weights (``--merge-lora``: a full HF checkpoint).
 """
 from __future__ import annotations
@@ -220,6 +221,45 @@ def export_adapter(model: nn.Module, directory, base_path: str = "", state_dict:
     (d / "README.md").write_text("LoRA adapter trained with ray_mmbatch: PeftModel.from_pretrained(base, this_dir)\n"
                                  + json.dumps({"base": base_path, "r": config.r, "alpha": config.lora_alpha}) + "\n")
     return d
+
+
+def load_adapter(model: nn.Module, directory) -> Any:
+    """Put a PEFT LoRA adapter directory (``export_adapter``'s, or PEFT's own ``save_pretrained`` on the
+    same HF model) on a freshly built model, as a LoRA run has it: the adapter's layers injected where its
+    ``target_modules`` say, its weights loaded (every one, no other: a mismatch raises, naming keys), every
+    other parameter frozen. Returns the LoraConfig (kept on the model, as ``add_lora`` does)."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as e:
+        raise ImportError("an adapter needs peft: pip install 'ray_mmbatch[lora]' (or pip install peft)") from e
+    from safetensors.torch import load_file
+
+    d = Path(directory)
+    if not (d / LORA_FILE).is_file():
+        raise FileNotFoundError(f"{d} is not a PEFT adapter directory ({LORA_FILE} + adapter_config.json)")
+    config = LoraConfig.from_pretrained(str(d))
+    bare = getattr(model, "module", model)
+    if hasattr(bare, "lora_config"):
+        raise ValueError("the model already carries LoRA adapters (--lora-rank): load an adapter on the base alone")
+    root = bare.hf_model if hasattr(bare, "hf_model") else bare
+    inject_adapter_in_model(config, root)
+    want = {k for k in root.state_dict() if "lora_" in k}
+    got = {}
+    for key, value in load_file(str(d / LORA_FILE)).items():  # base_model.model.<path>.lora_A.weight
+        parts = key.removeprefix("base_model.model.").split(".")
+        at = next((i for i, p in enumerate(parts) if p.startswith("lora_")), None)
+        if at is not None:
+            parts.insert(at + 1, "default")  # the module's adapter name: <path>.lora_A.default.weight
+        got[".".join(parts)] = value
+    if set(got) != want:
+        missing, extra = sorted(want - set(got)), sorted(set(got) - want)
+        raise ValueError(f"adapter {d} does not fit this model: missing {len(missing)} {missing[:3]}, unexpected "
+                         f"{len(extra)} {extra[:3]} (another base model?)")
+    root.load_state_dict(got, strict=False)
+    for name, p in bare.named_parameters():
+        p.requires_grad_("lora_" in name)
+    bare.lora_config = config
+    return config
 
 
 def merge_lora(model: nn.Module) -> nn.Module:

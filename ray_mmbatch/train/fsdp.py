@@ -34,6 +34,10 @@ Checkpoint layout, one folder once Ray Train has merged every rank's upload::
     scheduler.pt     rank 0
     state.json       rank 0, last: the checkpoint is complete (checkpoint.is_complete)
 
+With frozen parameters (LoRA, ``--freeze``) the model part holds only the trainable parameters
+and the buffers, as train/checkpoint.py does unsharded (its docstring: why, and the checks on
+restore): DCP's index names the keys saved, checked before anything is read.
+
 Every rank calls every function here (they are collectives). Pure torch, no Ray.
 """
 from __future__ import annotations
@@ -120,7 +124,10 @@ def save_sharded(directory: str | Path, model: nn.Module, optimizer, scheduler, 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer)    # sharded (DTensor) views, nothing gathered
+    frozen = ckpt.frozen_keys(model)
+    model_sd = {k: v for k, v in model_sd.items() if k not in frozen}  # the trainable weights and buffers
     dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(str(d)))
+    state = ckpt.with_weights_record(model, state)                       # a collective with frozen shards
     if dist.get_rank() == 0:
         ckpt.atomic_torch_save({"scheduler": scheduler.state_dict() if scheduler is not None else None},
                                d / ckpt.SCHEDULER)
@@ -140,20 +147,30 @@ def load_sharded(directory: str | Path, model: nn.Module, optimizer=None, schedu
         raise FileNotFoundError(f"{d} is not a complete sharded checkpoint ({ckpt.SHARDED_INDEX}, every shard, "
                                 f"{ckpt.SCHEDULER}, {ckpt.STATE})")
     reader = dcp.FileSystemReader(str(d))
+    state = ckpt.load_state(d)
+    record = state.pop(ckpt.WEIGHTS, None)
+    saved_keys = {k[len("model."):] for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")}
     if optimizer is None:
-        sd = {"model": get_model_state_dict(model)}
-        dcp.load(sd, storage_reader=reader)
-        set_model_state_dict(model, sd["model"])
+        model_sd, optim_sd = get_model_state_dict(model), None
     else:
         model_sd, optim_sd = get_state_dict(model, optimizer)   # a fresh optimizer gets its state made first
-        sd = {"model": model_sd, "optim": optim_sd}
-        dcp.load(sd, storage_reader=reader)
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    frozen = ckpt.frozen_keys(model)
+    partial = ckpt.check_saved_keys(saved_keys, set(model_sd), frozen, d)
+    if partial:  # the trainable weights only, on the frozen ones the model was rebuilt with
+        ckpt.check_frozen(record, model, d)
+        model_sd = {k: v for k, v in model_sd.items() if k not in frozen}
+    sd = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, storage_reader=reader)
+    options = StateDictOptions(strict=not partial)
+    if optim_sd is None:
+        set_model_state_dict(model, sd["model"], options=options)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=options)
     if scheduler is not None:
         saved = torch.load(d / ckpt.SCHEDULER, map_location="cpu", weights_only=False)["scheduler"]
         if saved is not None:
             scheduler.load_state_dict(saved)
-    return ckpt.load_state(d)
+    return state
 
 
 def full_state_dict(model: nn.Module, prefix: str = "") -> dict[str, torch.Tensor] | None:
