@@ -221,6 +221,9 @@ class TrainConfig:
     """Report metrics every N optimizer steps."""
     eval_every: int = flag("--eval-every", 0)
     """With --eval-split / --eval-data: evaluate every N optimizer steps (0 = at the end only; always at the end)."""
+    eval_cache_mb: int = flag("--eval-cache-mb", 1024)
+    """Each rank keeps its held-out batches in memory after the first evaluation, up to this size (later ones
+    then skip reading, decoding and planning); a larger share is read again each time (0 = never keep)."""
     checkpoint_every: int = flag("--checkpoint-every", 20)
     """Checkpoint every N optimizer steps (0 = only at the end)."""
     max_failures: int = flag("--max-failures", 2)

@@ -94,3 +94,23 @@ def test_packed_eval_loss_equals_each_sample_alone(data, tmp_path, hf):
     assert out["eval_target_tokens"] == n and out["eval_samples"] == len(out["ids"]) == len(_ids(batches))
     assert out["eval_loss"] == pytest.approx(ce / n, rel=1e-5)
     assert np.isfinite(out["eval_loss"]) and model.training  # evaluation leaves the model in train mode
+
+
+def test_eval_cache_keeps_the_batches_after_the_first_pass_within_its_cap(data):
+    from ray_mmbatch.train.evaluate import EvalCache
+
+    path, _ = data
+    cfg = _cfg(path)
+    ids = token_ids(cfg)
+    torch.manual_seed(0)
+    model = get_backend(cfg).create_model(cfg, ids)
+    first = evaluate(model, cfg, rank=0, world=1, device="cpu")
+    caches = {}
+    for cap_mb, reads in ((64, 1), (0, 3), (1e-4, 3)):  # kept; never kept; over the cap: read each time
+        cache = caches[cap_mb] = EvalCache(cap_mb)
+        outs = [evaluate(model, cfg, rank=0, world=1, device="cpu", cache=cache) for _ in range(3)]
+        assert (cache.passes, cache.reads) == (3, reads), cap_mb
+        assert all(o == first for o in outs)  # the same loss, counts and ids from kept batches
+    torch.nn.init.normal_(next(model.parameters()))  # kept batches, new weights: a new loss
+    again = evaluate(model, cfg, rank=0, world=1, device="cpu", cache=caches[64])
+    assert caches[64].reads == 1 and again["eval_loss"] != first["eval_loss"] and again["ids"] == first["ids"]

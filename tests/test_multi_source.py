@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 
 from ray_mmbatch import local_batches
@@ -193,12 +194,16 @@ def test_blend_counts_up_and_down_sampling_and_the_mix_of_every_fifth(equal_thre
 def test_blend_plan_and_weights_given_to_some_sources_only():
     from ray_mmbatch.formats.sources import BlendPlan, blended
 
-    plan = BlendPlan([10, 0, 7], [1, 0.5, 1], epoch_samples=0) if False else BlendPlan([10, 3, 7], [1.0, 1.0, 1.0])
+    plan = BlendPlan([10, 3, 7], [1.0, 1.0, 1.0])
     assert plan.targets == [7, 7, 6] and sum(plan.targets) == 20  # largest remainders add up to the epoch
-    for k, (base, threshold) in enumerate(plan.for_epoch(0)):
-        rows = plan.rows[k]
-        extra = int((plan.scores(k, 0, range(rows)) < threshold).sum()) if threshold else 0
-        assert base * rows + extra == plan.targets[k]
+    for seed in (0, 1):
+        for k, (base, threshold) in enumerate(plan.for_epoch(0, seed)):
+            rows = plan.rows[k]
+            extra = int((plan.scores(k, 0, range(rows), seed) < threshold).sum()) if threshold else 0
+            assert base * rows + extra == plan.targets[k]
+    chosen = [set(np.flatnonzero(plan.scores(0, 0, range(10), s) < plan.for_epoch(0, s)[0][1])) for s in (0, 1)]
+    assert chosen[0] != chosen[1]  # another seed, another subset of the down-sampled source
+    assert plan.for_epoch(0, 0) == plan.for_epoch(0) and plan.for_epoch(0, 1) != plan.for_epoch(0, 0)
     with pytest.raises(ValueError, match="no rows but a weight"):
         BlendPlan([5, 0], [1.0, 1.0])
     cfg = Config()

@@ -250,3 +250,46 @@ def test_model_learns_colour_from_the_image(tok):
     assert right_loss < 0.15
     # ~3/4 of shuffled images show another colour; half the targets are the colour word
     assert wrong_loss > right_loss + 1.0
+
+
+def _lockstep_worker(rank: int, tmp: str, known: int, dry: int) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from ray_mmbatch.batching.layout import filler_batch
+    from ray_mmbatch.train.step import Lockstep
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=rank, world_size=2)
+    def real(k: int) -> dict:
+        b = filler_batch(12)
+        return b | {"labels": np.zeros_like(b["labels"]), "target_tokens": 2, "sample_ids": [f"s{rank}.{k}"]}
+
+    mine = [real(k) for k in range(3 if rank == 0 else dry)]
+    steps, it, log = Lockstep("cpu", known), iter(mine), []
+    while True:
+        batch, (n,) = steps.join(next(it, None), [1.0])
+        if batch is None:
+            break
+        log.append({"ids": list(batch["sample_ids"]), "targets": int(batch["target_tokens"]),
+                    "dim": int(batch["patches"].shape[1]), "ranks": n,
+                    "masked": bool((batch["labels"] == -100).all())})
+    open(f"{tmp}/rank{rank}.json", "w").write(json.dumps(log))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("known,dry", [(0, 0), (12, 1)])
+def test_lockstep_every_rank_steps_until_none_has_data(tmp_path, known, dry):
+    """Rank 0 has 3 batches, rank 1 none (patch size unknown) or 1: both take 3 steps and stop
+    together; rank 1 then steps on a zero-target copy of its last batch, or on a filler with
+    the patch size rank 0 saw; the sums add both ranks."""
+    import json
+
+    mp.spawn(_lockstep_worker, args=(str(tmp_path), known, dry), nprocs=2, join=True)
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [s["ids"] for s in logs[0]] == [["s0.0"], ["s0.1"], ["s0.2"]] and len(logs[1]) == 3
+    assert not any(s["masked"] for s in logs[0])
+    assert [s["ids"] for s in logs[1][:dry]] == [["s1.0"]][:dry] and not any(s["masked"] for s in logs[1][:dry])
+    ran_dry = logs[1][dry:]
+    assert all(s["ids"] == [] and s["targets"] == 0 and s["masked"] and s["dim"] == 12 for s in ran_dry), ran_dry
+    assert all(s["ranks"] == 2.0 for log in logs for s in log)

@@ -142,30 +142,34 @@ class BlendPlan:
             if c and not n:
                 raise ValueError(f"data.sources[{k}] has no rows but a weight: nothing to draw its share from")
         self.targets = [int(c) for c in counts]
-        self._epochs: dict[int, list[tuple[int, int]]] = {}
+        self._epochs: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (seed, epoch) -> for_epoch
 
-    def scores(self, source: int, epoch: int, rows):
+    def scores(self, source: int, epoch: int, rows, seed: int | None = None):
+        """A seeded uint64 score per row of a source (``seed``: the run's train.seed, default the plan's)."""
         import numpy as np
 
         from ray_mmbatch.batching.shuffle import position_hash
 
-        return position_hash(np.asarray(rows, np.int64), self.seed * 1_000_003 + source, epoch)
+        seed = self.seed if seed is None else int(seed)
+        return position_hash(np.asarray(rows, np.int64), seed * 1_000_003 + source, epoch)
 
-    def for_epoch(self, epoch: int) -> list[tuple[int, int]]:
+    def for_epoch(self, epoch: int, seed: int | None = None) -> list[tuple[int, int]]:
         """Per source: (base copies, threshold): a row gets base + (score < threshold) copies."""
         import numpy as np
 
-        if epoch not in self._epochs:
+        seed = self.seed if seed is None else int(seed)
+        key = (seed, int(epoch))
+        if key not in self._epochs:
             out = []
             for k, (n, c) in enumerate(zip(self.rows, self.targets)):
                 base, extra = (c // n, c % n) if n else (0, 0)
                 if extra == 0:
                     out.append((base, 0))
                     continue
-                s = np.sort(self.scores(k, epoch, np.arange(n)))
+                s = np.sort(self.scores(k, epoch, np.arange(n), seed))
                 out.append((base, int(s[extra]) if extra < n else 2**64 - 1))
-            self._epochs[epoch] = out
-        return self._epochs[epoch]
+            self._epochs[key] = out
+        return self._epochs[key]
 
 
 def source_of(sample_id: str) -> str:

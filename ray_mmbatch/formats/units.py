@@ -75,8 +75,7 @@ def for_epoch(reader: tuple, seed: int, epoch: int) -> tuple:
     if kwargs.get("blend") is None:
         return reader
     kwargs = dict(kwargs, epoch=int(epoch), seed=int(seed))
-    kwargs["blend"].seed = int(seed)
-    kwargs["copies"] = kwargs["blend"].for_epoch(int(epoch))
+    kwargs["copies"] = kwargs["blend"].for_epoch(int(epoch), int(seed))
     return units, fn, kwargs
 
 
@@ -102,9 +101,9 @@ def read_source_units(units: pa.Table, sources: list, blend=None, epoch: int = 0
         ids = pc.binary_join_element_wise(pa.scalar(name + ID_SEP), t.column(schema.SAMPLE_ID).cast(pa.string()), "")
         t = t.set_column(t.schema.get_field_index(schema.SAMPLE_ID), schema.SAMPLE_ID, ids)
         if blend is not None:
-            base, threshold = (copies or blend.for_epoch(epoch))[int(k)]
+            base, threshold = (copies or blend.for_epoch(epoch, seed))[int(k)]
             src_rows = int(row.get(SOURCE_ROW0) or 0) + np.arange(t.num_rows)
-            n = base + (blend.scores(int(k), epoch, src_rows) < np.uint64(threshold)).astype(np.int64)
+            n = base + (blend.scores(int(k), epoch, src_rows, seed) < np.uint64(threshold)).astype(np.int64)
             n[np.asarray([bool(e) for e in t.column(schema.READ_ERROR).to_pylist()], bool)] = 1  # reported once
             take = np.repeat(np.arange(t.num_rows), n)
             t = t.take(pa.array(take))

@@ -124,14 +124,6 @@ def data_config(preserve_order: bool = False):
     return LosslessDataConfig(execution_options=options)
 
 
-def _any_rank(flag: bool, patch_dim: int, device) -> tuple[bool, int]:
-    """(any rank has a batch, the largest patch dim any rank has seen): one all-reduce."""
-    from ray_mmbatch.train.step import all_reduce
-
-    has, dim = all_reduce([float(flag), float(patch_dim)], device, op="max")
-    return has > 0, int(dim)
-
-
 def _next_batch(rows, epoch: int, state: DataState | None) -> dict[str, Any] | None:
     """The next row of this rank's stream that still holds samples to train, decoded; None at the end."""
     from ray_mmbatch.batching.collate import decode_batch
@@ -166,32 +158,23 @@ def iter_batches(epoch: int = 0, device=None, lockstep: bool = True, stall_timeo
     import ray.train
     import ray.train.torch
 
-    from ray_mmbatch.batching.layout import filler_batch, zero_target
     from ray_mmbatch.models.inputs import batch_to_torch
     from ray_mmbatch.train.stall import guarded
+    from ray_mmbatch.train.step import Lockstep
 
     device = device or ray.train.torch.get_device()
     # a thread keeps pulling this rank's split while the rank waits in a collective: the split's
     # coordinator can then move on (a plain iterator here hung both ranks at the end of the stream)
     rows = guarded(ray.train.get_dataset_shard(S.epoch_dataset_name(epoch)).iter_batches(
         batch_size=1, batch_format="numpy", prefetch_batches=2), stall_timeout_s)
-    last, patch_dim = None, 0
+    # the patch size is the model's, unknown here: a rank that never had a batch takes the others'
+    steps = Lockstep(device) if lockstep else None
     while True:
         batch = _next_batch(rows, epoch, state)
-        if batch is not None:
-            patch_dim = int(np.asarray(batch["patches"]).shape[1])
-        if not lockstep:
-            if batch is None:
-                return
-        else:
-            has, patch_dim = _any_rank(batch is not None, patch_dim, device)
-            if not has:
-                return
-        if batch is None:  # ran dry: a step with no targets joins the others' gradient all-reduce
-            # a rank that never had a batch takes the patch size of the ranks that did (the model's)
-            batch = zero_target(last if last is not None else filler_batch(patch_dim))
-        else:
-            last = batch
+        if steps is not None:
+            batch, _ = steps.join(batch)
+        if batch is None:
+            return
         yield batch_to_torch(batch, device)
 
 

@@ -34,14 +34,14 @@ import torch
 import torch.distributed as dist
 
 from ray_mmbatch import schema as S
-from ray_mmbatch.batching.layout import filler_batch, mask_samples, patch_dim, zero_target
+from ray_mmbatch.batching.layout import mask_samples, patch_dim
 from ray_mmbatch.config import Config, apply_overrides, flatten
 from ray_mmbatch.data.errors import decode_skips
 from ray_mmbatch.data.position import DataPosition
 from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.train import checkpoint as ckpt
 from ray_mmbatch.train.events import RankEvents
-from ray_mmbatch.train.step import all_reduce
+from ray_mmbatch.train.step import Lockstep, all_reduce
 
 
 def _peak_mem_mb(device: torch.device) -> float:
@@ -101,7 +101,7 @@ class Runner:
         # the run's records go to the driver through Ray (train/events.py), never to a shared disk
         self.files = RankEvents(channel, rank, cfg.train.ledger)
         self.files.trim(self.step)
-        self.last_batch: dict[str, Any] | None = None
+        self.lockstep = Lockstep(device, patch_dim(cfg.image))  # ranks step together (train/step.py)
         from ray_mmbatch.models.trainable import param_counts
 
         self.param_counts = param_counts(model)  # trainable_params / total_params (--freeze, --lora-rank)
@@ -110,6 +110,7 @@ class Runner:
         self.has_eval = has_eval(cfg.data)
         self.eval_loss: float | None = None  # from an evaluation since the last report (train/evaluate.py)
         self.eval_ids_sent = False
+        self.eval_cache = None  # train/evaluate.EvalCache, made at the first evaluation
         self.aborted = ""  # why the skip guard stopped the run ("" = it did not)
         self.window: dict[str, float] = {}
 
@@ -164,18 +165,15 @@ class Runner:
                 micro, skipped = self._take(rows, epoch)
                 t_data = time.perf_counter() - t0
                 trained = sum(len(b["sample_ids"]) for b, _ in micro)
-                any_data, seen, skips = all_reduce([float(bool(micro)), float(trained + skipped), float(skipped)],
-                                                   self.device)
+                # a rank that ran dry steps on a zero-target batch with the others (train/step.Lockstep)
+                step_on, (seen, skips) = self.lockstep.join(micro[-1][0] if micro else None,
+                                                            [trained + skipped, skipped])
                 self.samples_seen += int(seen)
                 self._set_progress()
                 guard[0], guard[1] = guard[0] + int(seen), guard[1] + int(skips)
-                if not any_data or self._guard(guard, at_end=False):
+                if step_on is None or self._guard(guard, at_end=False):
                     break
-                if micro:
-                    self.last_batch = micro[-1][0]
-                    batches = [b for b, _ in micro]
-                else:  # ran dry: a step with no targets joins the others' gradient all-reduce
-                    batches = [zero_target(self.last_batch or filler_batch(patch_dim(self.cfg.image)))]
+                batches = [b for b, _ in micro] or [step_on]
                 out = self._optimizer_step(self.model, batches, self.opt, self.sched, tcfg, self.device)
                 self.step += 1
                 self._account(micro, out, t_data, time.perf_counter() - t0)
@@ -201,8 +199,12 @@ class Runner:
         from ray_mmbatch.train.evaluate import evaluate
         from ray_mmbatch.train.step import autocast_dtype
 
+        if self.eval_cache is None:
+            from ray_mmbatch.train.evaluate import EvalCache
+
+            self.eval_cache = EvalCache(self.cfg.train.eval_cache_mb)  # the batches, after the first pass
         out = evaluate(self.model, self.cfg, self.rank, self.world, self.device,
-                       autocast_dtype(self.cfg.train.precision, self.device))
+                       autocast_dtype(self.cfg.train.precision, self.device), cache=self.eval_cache)
         self.eval_loss = out["eval_loss"]
         if not self.eval_ids_sent:  # the same ids every time: the split is a hash of the id
             self.files.append("eval_ids", {"rank": self.rank, "ids": out["ids"]})

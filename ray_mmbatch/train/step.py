@@ -70,6 +70,42 @@ def all_reduce(values: list[float], device: torch.device | str, op: str = "sum")
     return t.tolist()
 
 
+class Lockstep:
+    """Ranks step together until none has data: the one rule of the training loop, ``ingest``
+    and evaluation. Every step each rank calls ``join(batch or None)`` (one all-reduce): when
+    no rank has a batch left, all get None and stop at the same step; a rank that ran dry
+    steps on a zero-target copy of its last batch (no loss, no gradient), so DDP's gradient
+    all-reduce and FSDP2's all-gathers still see every rank. A rank that never had a batch
+    steps on ``filler_batch`` with the patch size of the model: ``patch_dim`` when the caller
+    knows it (one sum all-reduce, with ``sums`` riding along), else the largest any rank has
+    seen (a max all-reduce; ``sums`` then take a second one).
+    """
+
+    def __init__(self, device: torch.device | str, patch_dim: int = 0):
+        self.device, self.known = device, int(patch_dim) > 0
+        self.patch_dim, self.last = int(patch_dim), None
+
+    def join(self, batch: dict | None, sums: list[float] = ()) -> tuple[dict | None, list[float]]:
+        """(the batch this rank steps on, or None when no rank has one; ``sums`` summed over the ranks)."""
+        from ray_mmbatch.batching.layout import filler_batch, zero_target
+
+        if batch is not None:
+            self.last = batch
+            if not self.known:
+                self.patch_dim = max(self.patch_dim, int(np.asarray(batch["patches"]).shape[1]))
+        if self.known:
+            has, *total = all_reduce([float(batch is not None), *map(float, sums)], self.device)
+        else:
+            has, dim = all_reduce([float(batch is not None), float(self.patch_dim)], self.device, op="max")
+            self.patch_dim = int(dim)
+            total = all_reduce([float(x) for x in sums], self.device) if len(sums) else []
+        if not has:
+            return None, total
+        if batch is None:  # ran dry: a step with no targets joins the others' collectives
+            batch = zero_target(self.last if self.last is not None else filler_batch(self.patch_dim))
+        return batch, total
+
+
 def accumulate_gradients(model: nn.Module, micro_batches: list[dict], device: torch.device | str,
                          dtype: torch.dtype | None = None) -> dict:
     """Forward + backward every micro-batch of one optimizer step; grads are left in ``.grad``.
