@@ -54,13 +54,20 @@ def tb_hparams(out: Path) -> set[str]:
     return set(plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams)
 
 
-def mlflow_run(root: Path):
+def mlflow_runs(root: Path) -> list:
+    """Every run of the MLflow store MLFLOW_TRACKING_URI points to."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
-    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return client.search_runs([e.experiment_id for e in client.search_experiments()])
+
+
+def mlflow_run(root: Path):
+    from mlflow.tracking import MlflowClient
+
+    runs = mlflow_runs(root)
     assert len(runs) == 1, [r.info.run_name for r in runs]
-    return client, runs[0]
+    return MlflowClient(), runs[0]
 
 
 def wandb_records(root: Path) -> list:

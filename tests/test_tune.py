@@ -9,13 +9,21 @@ from ray_mmbatch.config import Config, load_config
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parquet_dataset, tmp_path):
+def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parquet_dataset, tmp_path, monkeypatch):
     from ray_mmbatch.run.tune import format_table, tune_budgets
+    from tests.test_trackers import mlflow_runs, tb_scalars
+
+    # --report-to in a sweep: each trial logs its own run; the MLflow store is set in this process only
+    # (the cluster's workers started before it), so the sweep must hand it to the trials
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("WANDB_API_KEY", "not-to-be-written")
 
     base = Config()
     base.data.path, base.data.format = str(small_parquet_dataset), "parquet"
     base.budget.window = 64
     base.data.eval_split = 0.25  # every trial ends with its held-out loss (--metric eval_loss can rank by it)
+    base.train.report_to = "tensorboard,mlflow"
     settings = [
         {"budget.max_tokens": 512},
         {"budget.max_tokens": 4096},
@@ -34,6 +42,13 @@ def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parque
     assert res["best"]["setting"] == fastest["setting"]
     table = format_table(trials)
     assert "failed" in table and "tokens/s" in table
+    runs = {r.info.run_name: r for r in mlflow_runs(tmp_path)}
+    for t in feasible:
+        name = "trial-max_tokens=" + str(t["setting"]["budget.max_tokens"])
+        losses = [v for _, v in tb_scalars(tmp_path / "tune" / name)["loss"]]
+        assert len(losses) == 3 and runs[name].data.metrics["eval_loss"] == pytest.approx(t["eval_loss"])
+        assert runs[name].data.params["budget.max_tokens"] == str(t["setting"]["budget.max_tokens"])
+    assert "not-to-be-written" not in "".join(p.read_text() for p in (tmp_path / "tune").rglob("params.json"))
 
     best = load_config(tmp_path / "tune" / "best.yaml")
     assert best.budget.max_tokens == fastest["setting"]["budget.max_tokens"]

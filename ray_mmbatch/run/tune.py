@@ -70,6 +70,7 @@ def run_trial(params: dict[str, Any]) -> None:
     cfg.train.max_failures = 0
     import ray
 
+    os.environ.update(params.get("tracker_env") or {})  # --report-to: W&B / MLflow settings of the sweep's shell
     ray.data.DataContext.get_current().enable_progress_bars = False  # a trial has no terminal to draw on
     result: dict[str, Any] = {"status": "ok", "error": ""}
     try:
@@ -112,6 +113,23 @@ def pick_best(trials: list[dict[str, Any]], metric: str = "tokens_per_s") -> dic
     return METRICS[metric](scored, key=lambda t: t[metric]) if scored else None  # (NaN != NaN: not scored)
 
 
+#: what a trial's trackers read from the environment (run/trackers.py), passed from the sweep's process
+TRACKER_ENV_PREFIXES = ("WANDB_", "MLFLOW_")
+SECRET_WORDS = ("KEY", "TOKEN", "PASSWORD", "SECRET")
+
+
+def tracker_env(sweep: str) -> dict[str, str]:
+    """The W&B / MLflow settings of this process for the trials, which run in Ray workers that may
+    have been started from another shell (``ray start``). Credentials (``WANDB_API_KEY``,
+    ``MLFLOW_TRACKING_TOKEN``, ...) are left out: the trial's params are written to disk by Tune;
+    they must be set where the cluster runs (``ray start``'s shell or the job's runtime_env).
+    W&B runs of one sweep share a group (``WANDB_RUN_GROUP``, default: the sweep folder's name)."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(TRACKER_ENV_PREFIXES)
+           and not any(w in k for w in SECRET_WORDS)}
+    env.setdefault("WANDB_RUN_GROUP", sweep)
+    return env
+
+
 def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, memory_limit_mb: float,
                  warmup_steps: int = 2, steps: int = 4, verbose: bool = True,
                  metric: str = "tokens_per_s") -> dict[str, Any]:
@@ -132,7 +150,7 @@ def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, mem
     base_dict["image"]["allowed_formats"] = list(base_dict["image"]["allowed_formats"])
     param_space = {"setting": tune.grid_search(list(settings))}
     param_space.update(base=base_dict, out_dir=str(out), memory_limit_mb=memory_limit_mb,
-                       warmup_steps=warmup_steps, steps=steps)
+                       warmup_steps=warmup_steps, steps=steps, tracker_env=tracker_env(out.name))
     if not verbose:  # Tune's classic reporter at verbosity 0 prints nothing (the new one prints its header)
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
     tuner = tune.Tuner(
