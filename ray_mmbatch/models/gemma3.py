@@ -56,6 +56,9 @@ from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "gemma3"
 MODEL_TYPES: tuple[str, ...] = ("gemma3",)
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family; export: save_pretrained
+# of model + tokenizer, the checkpoint's processor files copied
+fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
 _BILINEAR = 2  # PIL.Image.Resampling.BILINEAR: Gemma3ImageProcessor's resample
 _MEAN = _STD = (0.5, 0.5, 0.5)  # Gemma3ImageProcessor's defaults (IMAGENET_STANDARD_*)
@@ -66,29 +69,17 @@ _NO_FLASH = ("Gemma 3 does not run on flash_attention_2 (transformers refuses it
 
 def _pixel_settings(pre: dict, where: str) -> dict:
     """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
-    if not pre:
-        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
-                                "the Gemma 3 backend takes its pixel settings from it")
+    from ray_mmbatch.models.hf_common import pixel_settings
+
+    pixels = pixel_settings(pre, where, "Gemma 3", resample=_BILINEAR, mean=_MEAN, std=_STD,
+                            always=("do_resize", "do_convert_rgb"))
     if pre.get("do_pan_and_scan"):
         raise ValueError(f"{where}: do_pan_and_scan=true is not supported: pan-and-scan adds crops and text per "
                          "image by its aspect ratio, which the data path's fixed cost model does not make")
-    for key in ("do_resize", "do_rescale", "do_convert_rgb"):
-        if pre.get(key) is False:
-            raise ValueError(f"{where}: {key}=false; the data path always does it")
     size = pre.get("size") or {"height": 224, "width": 224}
     if not (isinstance(size, dict) and size.get("height") and size.get("height") == size.get("width")):
         raise ValueError(f"{where}: size {size!r} is not a square {{'height': S, 'width': S}} (Gemma 3's resize)")
-    if int(pre.get("resample", _BILINEAR)) != _BILINEAR:
-        raise ValueError(f"{where}: resample={pre.get('resample')}; only bilinear (2) matches the data path's "
-                         "resize='squash'")
-    if not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
-        raise ValueError(f"{where}: pixels must be rescaled by 1/255 (rescale_factor)")
-    mean, std = pre.get("image_mean", _MEAN), pre.get("image_std", _STD)
-    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(mean)
-    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(std)
-    if pre.get("do_normalize") is False:
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    return {"image_size": int(size["height"]), "image_mean": mean, "image_std": std}
+    return {"image_size": int(size["height"]), **pixels}
 
 
 def _pool_kernel(vision, tokens_per_image: int, where: str) -> int:
@@ -103,28 +94,19 @@ def _pool_kernel(vision, tokens_per_image: int, where: str) -> int:
     return side // per_side
 
 
-def _token(tok, token_id: int, what: str, path: str) -> str:
-    token = tok.convert_ids_to_tokens(int(token_id))
-    if token is None or tok.convert_tokens_to_ids(token) != int(token_id):
-        raise ValueError(f"{path}: config.json {what} {token_id} is not a token of the tokenizer")
-    return str(token)
-
-
 def configure(cfg):
     """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
-    from transformers import AutoConfig
-
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
-    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files, read_json
+    from ray_mmbatch.models.hf_common import (
+        adopt_setting,
+        adopt_still_pixels,
+        checked_token,
+        open_checkpoint,
+        read_json,
+    )
 
-    path = cfg.model.path
-    if not path:
-        raise ValueError("the gemma3 backend trains a Hugging Face checkpoint: set model.path")
-    raw, processor = checkpoint_files(path)
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not Gemma 3 ({list(MODEL_TYPES)})")
-    hf_cfg = AutoConfig.from_pretrained(path)
-    where_model, where_proc = f"{path}/config.json", f"{path} image processor"
+    path, hf_cfg, processor, where_model, _ = open_checkpoint(cfg, NAME, "Gemma 3", MODEL_TYPES)
+    where_proc = f"{path} image processor"
     if getattr(hf_cfg.text_config, "use_bidirectional_attention", False):
         raise ValueError(f"{where_model}: text_config.use_bidirectional_attention=true (an encoder, not a causal "
                          "LM) is not supported")
@@ -144,15 +126,10 @@ def configure(cfg):
     adopt_setting(cfg, "image.patch_size", int(vision.patch_size), f"{where_model} vision_config.patch_size")
     adopt_setting(cfg, "image.merge_size", kernel, f"{where_model} (Gemma 3: {kernel}x{kernel} average pool "
                                                    f"to mm_tokens_per_image={n_tokens})")
-    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (Gemma 3: still images)")
-    for key in ("image_mean", "image_std"):
-        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
-    if not cfg.text.tokenizer:
-        cfg.text.tokenizer = path
+    adopt_still_pixels(cfg, pixels, where_proc, "Gemma 3")
     tok = load_tokenizer(cfg.text.tokenizer)
-    image = _token(tok, hf_cfg.image_token_index, "image_token_index", path)
-    boi = _token(tok, hf_cfg.boi_token_index, "boi_token_index", path)
-    eoi = _token(tok, hf_cfg.eoi_token_index, "eoi_token_index", path)
+    image, boi, eoi = (checked_token(tok, getattr(hf_cfg, field), path, field)
+                       for field in ("image_token_index", "boi_token_index", "eoi_token_index"))
     source = f"{path} tokenizer, config.json image / boi / eoi token ids"
     adopt_setting(cfg, "text.image_token", image, source)
     # HF Gemma3Processor.full_image_sequence, with the soft token once (materialize repeats it)
@@ -250,34 +227,24 @@ def _mask_api() -> tuple:
             get_block_sequence_ids_for_mask)
 
 
-def _vision_modules(hf_model) -> list:
-    return [hf_model.model.vision_tower, hf_model.model.multi_modal_projector]
-
-
 def vision_modules(model) -> list:
-    """The vision tower and projector of the HFModel: a batch without images does not run them."""
-    return _vision_modules(model.hf_model)
-
-
-# the rest of the backend protocol (models/__init__.py) is the same for every HF family
-fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
+    """The vision tower and projector of the HFModel (hf_common.tower_and_projector): a batch without images does
+    not run them."""
+    return model.vision_modules()
 
 
 def freeze_unused_vision(hf_model) -> int:
     """requires_grad=False on SigLIP's pooling head (``vision_use_head``: Gemma 3 reads last_hidden_state, so the
     head never reaches the loss and DDP would see unused weights); returns the number of frozen weights."""
+    from ray_mmbatch.models.hf_common import freeze
+
     tower = hf_model.model.vision_tower
-    head = getattr(getattr(tower, "vision_model", tower), "head", None)
-    n = 0
-    for p in head.parameters() if head is not None else ():
-        p.requires_grad_(False)
-        n += p.numel()
-    return n
+    return freeze(getattr(getattr(tower, "vision_model", tower), "head", None))
 
 
 def create_model(cfg, ids: dict):
     """The checkpoint in fp32 wrapped in HFModel with the Gemma 3 adapter; tokenizer ids checked against it."""
-    from ray_mmbatch.models.hf_common import load_checked, wrap
+    from ray_mmbatch.models.hf_common import load_checked, tower_and_projector, wrap
 
     impl = cfg.model.attn_implementation
     if "flash" in impl:
@@ -292,7 +259,5 @@ def create_model(cfg, ids: dict):
                              "call configure(cfg) before create_model")
     _mask_api()  # fail here, not at the first packed batch
     freeze_unused_vision(hf)
-    return wrap(hf, cfg, Gemma3Adapter(hf, cfg.image), _vision_modules, NAME)
+    return wrap(hf, cfg, Gemma3Adapter(hf, cfg.image), tower_and_projector, NAME)
 
-
-export = hf_export  # save_pretrained of model + tokenizer, the processor files copied

@@ -1,4 +1,6 @@
-"""What every Hugging Face backend shares: loading a checkpoint, the loss-only forward, pixels, export.
+"""What every Hugging Face backend shares: reading a checkpoint's settings (open_checkpoint, pixel_settings,
+adopt_setting), loading it, the adapter's text half (text_inputs, image_adapter), the loss-only forward, pixels,
+export.
 
 ``HFModel`` wraps a transformers ``*ForConditionalGeneration`` so it has the built-in model's
 contract: ``forward(batch, loss_only=True) -> (ce_sum fp32, n_target)`` on the dict a Train
@@ -93,6 +95,101 @@ def adopt_setting(cfg, key: str, value: Any, source: str, user_may_override: boo
                          f"{value!r}. Drop the setting (the checkpoint's value is then used) or use a matching "
                          "checkpoint.")
     setattr(section, name, value)
+
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIPImageProcessor's defaults (OpenAI CLIP's)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_RESAMPLE_NAMES = {1: "Lanczos", 2: "bilinear", 3: "bicubic"}  # PIL.Image.Resampling values
+
+
+def open_checkpoint(cfg, name: str, family: str, model_types: tuple[str, ...]):
+    """``configure``'s first step for every HF backend: the checkpoint at cfg.model.path, refused when unset or
+    of a model_type outside ``model_types``. Returns (path, its transformers config, its image processor
+    settings (checkpoint_files), where_model, where_proc) -- the last two name the files in messages."""
+    from transformers import AutoConfig
+
+    path = cfg.model.path
+    if not path:
+        raise ValueError(f"the {name} backend trains a Hugging Face checkpoint: set model.path")
+    raw, processor = checkpoint_files(path)
+    if raw.get("model_type") not in model_types:
+        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not {family} ({list(model_types)})")
+    hf_cfg = AutoConfig.from_pretrained(path)
+    return path, hf_cfg, processor, f"{path}/config.json", f"{path}/preprocessor_config.json"
+
+
+def pixel_settings(pre: dict[str, Any], where: str, family: str, *, resample: int, mean, std,
+                   types: tuple[str, ...] = (), always: tuple[str, ...] = ("do_resize",)) -> dict[str, Any]:
+    """The image processor checks every HF backend shares; returns {"image_mean", "image_std"} as the data path
+    normalizes with them (data/image.py resizes, rescales by 1/255 and normalizes on the device).
+
+    ``pre``: the processor's settings (checkpoint_files), read from ``where``. Refused: none at all; an
+    ``image_processor_type`` outside ``types`` (when given; unset means ``types[0]``); any step in ``always``
+    turned off; a ``resample`` other than the data path's (a PIL.Image.Resampling value); a rescale other than
+    by 1/255. ``mean`` / ``std``: the processor class's defaults; a scalar counts for every channel; with
+    ``do_normalize`` off they are 0 and 1. A key set to null counts as off, as HF's processors read it.
+    """
+    if not pre:
+        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
+                                f"the {family} backend takes its pixel settings from it")
+    if types:
+        kind = str(pre.get("image_processor_type", types[0]))
+        if kind not in types:
+            raise ValueError(f"{where}: image_processor_type {kind!r}; the {family} backend reproduces "
+                             f"{list(types)} only")
+    for key in always:
+        if not pre.get(key, True):
+            raise ValueError(f"{where}: {key}=false; the data path always does it")
+    if int(pre.get("resample", resample)) != resample:
+        raise ValueError(f"{where}: resample={pre.get('resample')}; only {_RESAMPLE_NAMES.get(resample, resample)} "
+                         f"({resample}) matches the data path's resize")
+    if not pre.get("do_rescale", True) or not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
+        raise ValueError(f"{where}: pixels must be rescaled by 1/255 (do_rescale, rescale_factor)")
+    if not pre.get("do_normalize", True):
+        return {"image_mean": (0.0, 0.0, 0.0), "image_std": (1.0, 1.0, 1.0)}
+    out = {}
+    for key, default in (("image_mean", mean), ("image_std", std)):
+        value = pre.get(key, default)
+        out[key] = (float(value),) * 3 if isinstance(value, (int, float)) else tuple(float(v) for v in value)
+    return out
+
+
+def checked_token(tok, token_id: int, path: str, field: str = "image_token_id") -> str:
+    """The token of config.json's ``field`` = ``token_id`` in the tokenizer ``tok``; it must map back to the id."""
+    token = tok.convert_ids_to_tokens(int(token_id))
+    if token is None or tok.convert_tokens_to_ids(token) != int(token_id):
+        raise ValueError(f"{path}: config.json {field} {token_id} is not a token of the tokenizer "
+                         f"{getattr(tok, 'name_or_path', '')}")
+    return str(token)
+
+
+def image_token(tokenizer: str, token_id: int, path: str, field: str = "image_token_id") -> str:
+    """checked_token of the tokenizer at ``tokenizer`` (load_tokenizer: cached)."""
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
+
+    return checked_token(load_tokenizer(tokenizer), token_id, path, field)
+
+
+def freeze(*modules) -> int:
+    """requires_grad=False on every weight of ``modules`` (None skipped): weights that never reach the loss, which
+    DDP would report unused. Returns how many weights."""
+    n = 0
+    for module in modules:
+        for p in module.parameters() if module is not None else ():
+            p.requires_grad_(False)
+            n += p.numel()
+    return n
+
+
+def adopt_still_pixels(cfg, pixels: dict[str, Any], where_proc: str, family: str) -> None:
+    """What every HF backend of still images adopts alike: temporal_patch_size 1, the processor's mean / std
+    (``pixels`` from pixel_settings, read from ``where_proc``); and the checkpoint's own tokenizer unless
+    text.tokenizer names one."""
+    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{cfg.model.path} ({family}: still images)")
+    for key in ("image_mean", "image_std"):
+        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
+    if not cfg.text.tokenizer:
+        cfg.text.tokenizer = cfg.model.path
 
 
 def resolve_attn_implementation(requested: str, device_type: str) -> str:
@@ -208,6 +305,35 @@ def varlen_kwargs(batch: dict, hf_config) -> dict[str, Any]:
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
+def text_inputs(batch: dict, text_config) -> dict[str, Any]:
+    """The language model's half of a backend's base-model kwargs: ids and position ids; a pad batch its
+    [B, L] attention_mask; a pack batch none (the causal mask builder finds the samples from the restarting
+    position ids) and, on flash attention, the explicit varlen metadata (varlen_kwargs; ``text_config``:
+    the language model's config, read per call)."""
+    kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    if batch["mode"] == "pad":
+        kwargs["attention_mask"] = batch["attention_mask"]
+    elif batch["mode"] == "pack":
+        kwargs.update(varlen_kwargs(batch, text_config))
+    else:
+        raise ValueError(f"unknown batch mode {batch['mode']!r}")
+    return kwargs
+
+
+def image_adapter(text_config, image_inputs: Callable[[torch.Tensor, dict], dict[str, Any]]):
+    """``adapter(batch)`` of a backend whose images only add kwargs: text_inputs, plus
+    ``image_inputs(patches, batch)`` (pixel_values and the like) when the batch has patches."""
+
+    def adapter(batch: dict) -> dict[str, Any]:
+        kwargs = text_inputs(batch, text_config)
+        patches = batch.get("patches")
+        if patches is not None and patches.shape[0]:
+            kwargs.update(image_inputs(patches, batch))
+        return kwargs
+
+    return adapter
+
+
 class HFModel(nn.Module):
     """A transformers VLM with the project's forward contract (see module docstring).
 
@@ -260,6 +386,11 @@ class HFModel(nn.Module):
 
 
 STATE_PREFIX = HF_STATE_PREFIX
+
+
+def tower_and_projector(hf_model) -> list[nn.Module]:
+    """The vision modules of LLaVA, InternVL and Gemma 3 models: the vision tower and the multimodal projector."""
+    return [hf_model.model.vision_tower, hf_model.model.multi_modal_projector]
 
 
 def fsdp_units(model: HFModel) -> list[nn.Module]:

@@ -50,6 +50,9 @@ from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "idefics3"
 MODEL_TYPES: tuple[str, ...] = ("idefics3", "smolvlm")
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family; export: save_pretrained
+# of model + tokenizer, the checkpoint's processor files copied
+fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
 _LANCZOS = 1  # PIL.Image.Resampling.LANCZOS: the Idefics3 / SmolVLM processors' resample
 _MEAN = _STD = (0.5, 0.5, 0.5)  # their defaults (IMAGENET_STANDARD_*)
@@ -65,54 +68,30 @@ def _longest(value, where: str) -> int:
 
 def _pixel_settings(pre: dict, where: str) -> dict:
     """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
-    if not pre:
-        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
-                                "the Idefics3 backend takes its pixel settings from it")
-    kind = str(pre.get("image_processor_type", "Idefics3ImageProcessor"))
-    if kind not in _PROCESSOR_TYPES:
-        raise ValueError(f"{where}: image_processor_type {kind!r}; the Idefics3 backend reproduces "
-                         f"{list(_PROCESSOR_TYPES)} only")
-    for key in ("do_resize", "do_rescale", "do_convert_rgb"):
-        if pre.get(key) is False:
-            raise ValueError(f"{where}: {key}=false; the data path always does it")
-    if int(pre.get("resample", _LANCZOS)) != _LANCZOS:
-        raise ValueError(f"{where}: resample={pre.get('resample')}; only Lanczos (1) matches the data path's resize")
-    if not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
-        raise ValueError(f"{where}: rescale_factor must be 1/255")
-    mean, std = pre.get("image_mean", _MEAN), pre.get("image_std", _STD)
-    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(float(m) for m in mean)
-    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(float(s) for s in std)
-    if not pre.get("do_normalize", True):
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    if all(math.isclose(m * 255, round(m * 255)) and 0 <= round(m * 255) <= 255 for m in mean):
-        raise ValueError(f"{where}: image_mean {mean}: a uniform image of colour mean * 255 normalizes to all "
-                         "zeros, which the model drops as a padding image (its tokens then have no features)")
+    from ray_mmbatch.models.hf_common import pixel_settings
+
+    pixels = pixel_settings(pre, where, "Idefics3", resample=_LANCZOS, mean=_MEAN, std=_STD, types=_PROCESSOR_TYPES,
+                            always=("do_resize", "do_convert_rgb"))
+    if all(math.isclose(m * 255, round(m * 255)) and 0 <= round(m * 255) <= 255 for m in pixels["image_mean"]):
+        raise ValueError(f"{where}: image_mean {pixels['image_mean']}: a uniform image of colour mean * 255 "
+                         "normalizes to all zeros, which the model drops as a padding image (its tokens then have "
+                         "no features)")
     side = _longest(pre.get("max_image_size", {"longest_edge": 364}), f"{where} max_image_size")
     longest = _longest(pre.get("size", {"longest_edge": 4 * 364}), f"{where} size")
     if longest % side:
         raise ValueError(f"{where}: size longest_edge {longest} is not a multiple of max_image_size {side} "
                          "(the data path keeps it as image.max_tiles * image.image_size)")
-    return {"image_size": side, "max_tiles": longest // side, "image_mean": mean, "image_std": std,
+    return {"image_size": side, "max_tiles": longest // side, **pixels,
             "splitting": bool(pre.get("do_image_splitting", True))}
 
 
 def configure(cfg):
     """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
-    from transformers import AutoConfig
-
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from ray_mmbatch.data.text.tokenizer import token_id as id_of
-    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files, read_json
+    from ray_mmbatch.models.hf_common import adopt_setting, adopt_still_pixels, open_checkpoint, read_json
 
-    path = cfg.model.path
-    if not path:
-        raise ValueError("the idefics3 backend trains a Hugging Face checkpoint: set model.path")
-    raw, processor = checkpoint_files(path)
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not Idefics3 / SmolVLM "
-                         f"({list(MODEL_TYPES)})")
-    hf_cfg = AutoConfig.from_pretrained(path)
-    where_model, where_proc = f"{path}/config.json", f"{path}/preprocessor_config.json"
+    path, hf_cfg, processor, where_model, where_proc = open_checkpoint(cfg, NAME, "Idefics3 / SmolVLM", MODEL_TYPES)
     pixels = _pixel_settings(processor, where_proc)
     # image.resize='global' on a splitting checkpoint: HF's processor with do_image_splitting=False (SmolVLM's video
     # frames), the user's choice
@@ -140,11 +119,7 @@ def configure(cfg):
                   user_may_override=True)
     if int(cfg.image.max_tiles) < 1:
         raise ValueError(f"image.max_tiles {cfg.image.max_tiles}: the longest edge must be at least one view")
-    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (Idefics3: still images)")
-    for key in ("image_mean", "image_std"):
-        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
-    if not cfg.text.tokenizer:
-        cfg.text.tokenizer = path
+    adopt_still_pixels(cfg, pixels, where_proc, "Idefics3")
     tok = load_tokenizer(cfg.text.tokenizer)
     token_id = int(hf_cfg.image_token_id)
     image = tok.convert_ids_to_tokens(token_id)
@@ -173,34 +148,17 @@ def configure(cfg):
 
 # ------------------------------------------------------------------ model
 def make_adapter(hf_model, image_cfg):
-    """batch (collate layout, tensors) -> kwargs of ``Idefics3Model.forward`` (see module docstring)."""
+    """batch (collate layout, tensors) -> kwargs of ``Idefics3Model.forward`` (see module docstring): S x S
+    views stacked per image, InternVL's stacked-tile layout, with one leading batch dimension."""
     import torch
 
-    from ray_mmbatch.models.hf_common import varlen_kwargs
-    from ray_mmbatch.models.internvl import pixel_values
+    from ray_mmbatch.models.internvl import stacked_tiles_adapter
 
-    side, ps, merge = int(image_cfg.image_size), int(image_cfg.patch_size), int(image_cfg.merge_size)
-    mean, std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
-    text_config = hf_model.model.text_model.config
+    def images(x, batch: dict) -> dict:
+        mask = torch.ones((1, x.shape[0], *x.shape[2:]), dtype=torch.bool, device=x.device)  # none padded
+        return {"pixel_values": x[None], "pixel_attention_mask": mask}
 
-    def adapter(batch: dict) -> dict:
-        kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-        if batch["mode"] == "pad":
-            kwargs["attention_mask"] = batch["attention_mask"]
-        elif batch["mode"] == "pack":
-            kwargs.update(varlen_kwargs(batch, text_config))
-        else:
-            raise ValueError(f"unknown batch mode {batch['mode']!r}")
-        patches = batch.get("patches")
-        if patches is not None and patches.shape[0]:
-            # S x S views stacked per image: InternVL's stacked-tile layout
-            x = pixel_values(patches, batch["image_grid_thw"], side, ps, merge, mean, std)
-            kwargs["pixel_values"] = x.to(hf_model.model.vision_model.dtype)[None]
-            kwargs["pixel_attention_mask"] = torch.ones((1, x.shape[0], side, side), dtype=torch.bool,
-                                                        device=x.device)
-        return kwargs
-
-    return adapter
+    return stacked_tiles_adapter(image_cfg, hf_model.model.text_model.config, hf_model.model.vision_model, images)
 
 
 def _vision_modules(hf_model) -> list:
@@ -212,10 +170,6 @@ def vision_modules(model) -> list:
     return _vision_modules(model.hf_model)
 
 
-# the rest of the backend protocol (models/__init__.py) is the same for every HF family
-fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
-
-
 def create_model(cfg, ids: dict):
     """The checkpoint in fp32 wrapped in HFModel with the Idefics3 adapter; tokenizer ids checked against it."""
     from ray_mmbatch.models.hf_common import load_checked, wrap
@@ -225,5 +179,3 @@ def create_model(cfg, ids: dict):
     hf = load_checked(cfg, ids)
     return wrap(hf, cfg, make_adapter(hf, cfg.image), _vision_modules, NAME)
 
-
-export = hf_export  # save_pretrained of model + tokenizer, the processor files copied

@@ -47,6 +47,9 @@ from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "internvl"
 MODEL_TYPES: tuple[str, ...] = ("internvl",)
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family; export: save_pretrained
+# of model + tokenizer, the checkpoint's processor files copied
+fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image.py resizes with
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)  # InternVL's processor settings (convert_internvl_weights_to_hf)
@@ -69,45 +72,22 @@ def _square(value, where: str) -> int:
 
 def _pixel_settings(pre: dict, where: str) -> dict:
     """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
-    if not pre:
-        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
-                                "the InternVL backend takes its pixel settings from it")
-    kind = str(pre.get("image_processor_type", "GotOcr2ImageProcessor"))
-    if kind not in _PROCESSOR_TYPES:
-        raise ValueError(f"{where}: image_processor_type {kind!r}; the InternVL backend reproduces GotOcr2's tiling "
-                         f"processor only ({list(_PROCESSOR_TYPES)})")
-    if not pre.get("do_resize", True):
-        raise ValueError(f"{where}: do_resize must be on (tiles are resized to the tile size)")
-    if int(pre.get("resample", _BICUBIC)) != _BICUBIC:
-        raise ValueError(f"{where}: resample={pre.get('resample')}; only bicubic (3) matches the data path's resize")
-    if not pre.get("do_rescale", True) or not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
-        raise ValueError(f"{where}: pixels must be rescaled by 1/255 (do_rescale, rescale_factor)")
-    mean, std = pre.get("image_mean", _IMAGENET_MEAN), pre.get("image_std", _IMAGENET_STD)
-    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(mean)
-    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(std)
-    if not pre.get("do_normalize", True):
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    from ray_mmbatch.models.hf_common import pixel_settings
+
+    pixels = pixel_settings(pre, where, "InternVL", resample=_BICUBIC, mean=_IMAGENET_MEAN, std=_IMAGENET_STD,
+                            types=_PROCESSOR_TYPES)
     lo, hi = int(pre.get("min_patches", 1)), int(pre.get("max_patches", 12))
     if not 1 <= lo <= hi:
         raise ValueError(f"{where}: min_patches {lo} / max_patches {hi} must satisfy 1 <= min <= max")
     return {"image_size": _square(pre.get("size", {"height": 384, "width": 384}), f"{where} size"),
-            "image_mean": mean, "image_std": std, "min_tiles": lo, "max_tiles": hi}
+            **pixels, "min_tiles": lo, "max_tiles": hi}
 
 
 def configure(cfg):
     """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
-    from transformers import AutoConfig
+    from ray_mmbatch.models.hf_common import adopt_setting, adopt_still_pixels, open_checkpoint, read_json
 
-    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files, read_json
-
-    path = cfg.model.path
-    if not path:
-        raise ValueError("the internvl backend trains a Hugging Face checkpoint: set model.path")
-    raw, processor = checkpoint_files(path)
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not InternVL ({list(MODEL_TYPES)})")
-    hf_cfg = AutoConfig.from_pretrained(path)
-    where_model, where_proc = f"{path}/config.json", f"{path}/preprocessor_config.json"
+    path, hf_cfg, processor, where_model, where_proc = open_checkpoint(cfg, NAME, "InternVL", MODEL_TYPES)
     if hf_cfg.vision_feature_select_strategy != "default":
         raise ValueError(f"{where_model}: vision_feature_select_strategy={hf_cfg.vision_feature_select_strategy!r} "
                          "(CLS token kept: a non-square feature grid HF cannot pixel-shuffle); only 'default' is "
@@ -136,14 +116,10 @@ def configure(cfg):
     adopt_setting(cfg, "image.image_size", side, f"{where_model} vision_config.image_size")
     adopt_setting(cfg, "image.patch_size", patch, f"{where_model} vision_config.patch_size")
     adopt_setting(cfg, "image.merge_size", merge, f"{where_model} downsample_ratio {hf_cfg.downsample_ratio}")
-    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (InternVL: still images)")
-    for key in ("image_mean", "image_std"):
-        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
     # the tile bounds are a free choice (ms-swift's MAX_NUM): a user's own value wins
     adopt_setting(cfg, "image.min_tiles", pixels["min_tiles"], f"{where_proc} min_patches", user_may_override=True)
     adopt_setting(cfg, "image.max_tiles", pixels["max_tiles"], f"{where_proc} max_patches", user_may_override=True)
-    if not cfg.text.tokenizer:
-        cfg.text.tokenizer = path
+    adopt_still_pixels(cfg, pixels, where_proc, "InternVL")
     token_id = int(hf_cfg.image_token_id)
     start, token, end = _image_tokens(cfg.text.tokenizer, token_id, path)
     source = f"{path} tokenizer, token id {token_id} (config.json image_token_id)"
@@ -157,11 +133,10 @@ def _image_tokens(tokenizer: str, token_id: int, path: str) -> tuple[str, str, s
     the context token must be config.json's image_token_id."""
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from ray_mmbatch.data.text.tokenizer import token_id as id_of
+    from ray_mmbatch.models.hf_common import checked_token
 
     tok = load_tokenizer(tokenizer)
-    token = tok.convert_ids_to_tokens(token_id)
-    if token is None or tok.convert_tokens_to_ids(token) != token_id:
-        raise ValueError(f"{path}: image_token_id {token_id} is not a token of the tokenizer {tokenizer}")
+    token = checked_token(tok, token_id, path)
     names = ("start_image_token", "context_image_token", "end_image_token")
     start, context, end = (str(getattr(tok, n, None) or "") for n in names)
     if context != token or id_of(tok, start) is None or id_of(tok, end) is None:
@@ -203,54 +178,40 @@ def tiles_per_image(grid_thw, side: int, patch_size: int):
     return torch.as_tensor(grid_thw).reshape(-1, 3)[:, 1] // (side // patch_size)
 
 
-def make_adapter(hf_model, image_cfg):
-    """batch (collate layout, tensors) -> kwargs of ``InternVLModel.forward`` (see module docstring)."""
-    from ray_mmbatch.models.hf_common import varlen_kwargs
+def stacked_tiles_adapter(image_cfg, text_config, tower, images=lambda x, batch: {"pixel_values": x}):
+    """``adapter`` of a backend whose images are stacked S x S tiles (InternVL's tiles, Idefics3's views):
+    hf_common.image_adapter whose image kwargs are ``images(x, batch)`` of the batch's tiles ``x`` as
+    ``pixel_values`` makes them ([n_tiles, 3, S, S], in ``tower``'s dtype)."""
+    from ray_mmbatch.models.hf_common import image_adapter
 
     side, ps, merge = int(image_cfg.image_size), int(image_cfg.patch_size), int(image_cfg.merge_size)
     mean, std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
-    text_config = hf_model.model.language_model.config
 
-    def adapter(batch: dict) -> dict:
-        kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-        if batch["mode"] == "pad":
-            kwargs["attention_mask"] = batch["attention_mask"]
-        elif batch["mode"] == "pack":
-            kwargs.update(varlen_kwargs(batch, text_config))
-        else:
-            raise ValueError(f"unknown batch mode {batch['mode']!r}")
-        patches = batch.get("patches")
-        if patches is not None and patches.shape[0]:
-            dtype = hf_model.model.vision_tower.dtype
-            kwargs["pixel_values"] = pixel_values(patches, batch["image_grid_thw"], side, ps, merge, mean,
-                                                  std).to(dtype)
-        return kwargs
+    def tiles(patches, batch: dict) -> dict:
+        x = pixel_values(patches, batch["image_grid_thw"], side, ps, merge, mean, std)
+        return images(x.to(tower.dtype), batch)
 
-    return adapter
+    return image_adapter(text_config, tiles)
 
 
-def _vision_modules(hf_model) -> list:
-    return [hf_model.model.vision_tower, hf_model.model.multi_modal_projector]
+def make_adapter(hf_model, image_cfg):
+    """batch (collate layout, tensors) -> kwargs of ``InternVLModel.forward`` (see module docstring)."""
+    return stacked_tiles_adapter(image_cfg, hf_model.model.language_model.config, hf_model.model.vision_tower)
 
 
 def vision_modules(model) -> list:
-    """The vision tower and projector of the HFModel: a batch without images does not run them."""
-    return _vision_modules(model.hf_model)
-
-
-# the rest of the backend protocol (models/__init__.py) is the same for every HF family
-fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
+    """The vision tower and projector of the HFModel (hf_common.tower_and_projector): a batch without images does
+    not run them."""
+    return model.vision_modules()
 
 
 def create_model(cfg, ids: dict):
     """The checkpoint in fp32 wrapped in HFModel with the InternVL adapter; tokenizer ids checked against it."""
-    from ray_mmbatch.models.hf_common import load_checked, wrap
+    from ray_mmbatch.models.hf_common import load_checked, tower_and_projector, wrap
 
     hf = load_checked(cfg, ids)
     embeddings = hf.model.vision_tower.embeddings
     if getattr(embeddings, "mask_token", None) is not None:  # masked image modelling only: never in the loss
         embeddings.mask_token.requires_grad_(False)
-    return wrap(hf, cfg, make_adapter(hf, cfg.image), _vision_modules, NAME)
+    return wrap(hf, cfg, make_adapter(hf, cfg.image), tower_and_projector, NAME)
 
-
-export = hf_export  # save_pretrained of model + tokenizer, the processor files copied

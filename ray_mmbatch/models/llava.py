@@ -30,16 +30,15 @@ Importing this module imports no torch (the registry imports every backend to re
 """
 from __future__ import annotations
 
-import math
-
 from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "llava"
 MODEL_TYPES: tuple[str, ...] = ("llava",)
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family; export: save_pretrained
+# of model + tokenizer, the checkpoint's processor files copied
+fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image.py resizes with
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # CLIPImageProcessor's defaults
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def _side(value, where: str, crop: bool) -> int:
@@ -59,48 +58,30 @@ def _side(value, where: str, crop: bool) -> int:
 
 def _pixel_settings(pre: dict, where: str) -> dict:
     """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
-    if not pre:
-        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
-                                "the LLaVA backend takes its pixel settings from it")
+    from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, pixel_settings
+
+    pixels = pixel_settings(pre, where, "LLaVA", resample=_BICUBIC, mean=CLIP_MEAN, std=CLIP_STD,
+                            always=("do_resize", "do_center_crop"))
     resize = "fixed"
     if pre.get("do_pad"):
         if not str(pre.get("image_processor_type", "")).startswith("LlavaImageProcessor"):
             raise ValueError(f"{where}: do_pad=true outside LlavaImageProcessor (pad to square) is not supported")
+        if not pre.get("do_normalize", True):  # the pad colour is the mean even when nothing is normalized
+            raise ValueError(f"{where}: do_pad with do_normalize=false is not supported")
         resize = "fixed_pad"  # LLaVA's pad to a square of the mean colour, then the same resize + crop
-    if not pre.get("do_resize", True) or not pre.get("do_center_crop", True):
-        raise ValueError(f"{where}: do_resize and do_center_crop must be on (the fixed resize does both)")
     size = _side(pre.get("size", {"shortest_edge": 224}), f"{where} size", crop=False)
     crop = _side(pre.get("crop_size", {"height": 224, "width": 224}), f"{where} crop_size", crop=True)
     if size != crop:
         raise ValueError(f"{where}: shortest_edge {size} != crop {crop}; the fixed resize takes one side for both")
-    if int(pre.get("resample", _BICUBIC)) != _BICUBIC:
-        raise ValueError(f"{where}: resample={pre.get('resample')}; only bicubic (3) matches the data path's resize")
-    if not pre.get("do_rescale", True) or not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
-        raise ValueError(f"{where}: pixels must be rescaled by 1/255 (do_rescale, rescale_factor)")
-    mean, std = pre.get("image_mean", _CLIP_MEAN), pre.get("image_std", _CLIP_STD)
-    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(mean)
-    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(std)
-    if not pre.get("do_normalize", True):
-        if resize == "fixed_pad":  # the pad colour is the mean even when nothing is normalized
-            raise ValueError(f"{where}: do_pad with do_normalize=false is not supported")
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    return {"resize": resize, "image_size": size, "image_mean": mean, "image_std": std}
+    return {"resize": resize, "image_size": size, **pixels}
 
 
 def configure(cfg):
     """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
-    from transformers import AutoConfig  # the checkpoint's own defaults (a sparse vision_config means CLIP's)
+    from ray_mmbatch.models.hf_common import adopt_setting, adopt_still_pixels, image_token, open_checkpoint
 
-    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files
-
-    path = cfg.model.path
-    if not path:
-        raise ValueError("the llava backend trains a Hugging Face checkpoint: set model.path")
-    raw, processor = checkpoint_files(path)
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not LLaVA ({list(MODEL_TYPES)})")
-    hf_cfg = AutoConfig.from_pretrained(path)
-    where_model, where_proc = f"{path}/config.json", f"{path}/preprocessor_config.json"
+    # hf_cfg: the checkpoint's own defaults filled in (a sparse vision_config means CLIP's)
+    path, hf_cfg, processor, where_model, where_proc = open_checkpoint(cfg, NAME, "LLaVA", MODEL_TYPES)
     strategy = hf_cfg.vision_feature_select_strategy
     if strategy != "default":
         raise ValueError(f"{where_model}: vision_feature_select_strategy={strategy!r} (CLS token kept, "
@@ -119,25 +100,11 @@ def configure(cfg):
     adopt_setting(cfg, "image.image_size", int(vision.image_size), f"{where_model} vision_config.image_size")
     adopt_setting(cfg, "image.patch_size", int(vision.patch_size), f"{where_model} vision_config.patch_size")
     adopt_setting(cfg, "image.merge_size", 1, f"{path} (LLaVA: one LM token per patch)")
-    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (LLaVA: still images)")
-    for key in ("image_mean", "image_std"):
-        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
-    if not cfg.text.tokenizer:
-        cfg.text.tokenizer = path
+    adopt_still_pixels(cfg, pixels, where_proc, "LLaVA")
     token_id = int(hf_cfg.image_token_id)
-    adopt_setting(cfg, "text.image_token", _image_token(cfg.text.tokenizer, token_id, path),
+    adopt_setting(cfg, "text.image_token", image_token(cfg.text.tokenizer, token_id, path),
                   f"{path} tokenizer, token id {token_id} (config.json image_token_id)")
     return cfg
-
-
-def _image_token(tokenizer: str, token_id: int, path: str) -> str:
-    from ray_mmbatch.data.text.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tokenizer)
-    token = tok.convert_ids_to_tokens(token_id)
-    if token is None or tok.convert_tokens_to_ids(token) != token_id:
-        raise ValueError(f"{path}: image_token_id {token_id} is not a token of the tokenizer {tokenizer}")
-    return token
 
 
 # ------------------------------------------------------------------ model
@@ -160,45 +127,29 @@ def pixel_values(patches, grid_thw, side: int, patch_size: int, mean, std):
 
 def make_adapter(hf_model, image_cfg):
     """batch (collate layout, tensors) -> kwargs of ``LlavaModel.forward`` (see module docstring)."""
-    from ray_mmbatch.models.hf_common import varlen_kwargs
+    from ray_mmbatch.models.hf_common import image_adapter
 
     side, ps = int(image_cfg.image_size), int(image_cfg.patch_size)
     mean, std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
-    text_config = hf_model.model.language_model.config
 
-    def adapter(batch: dict) -> dict:
-        kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-        if batch["mode"] == "pad":
-            kwargs["attention_mask"] = batch["attention_mask"]
-        elif batch["mode"] == "pack":  # flash attention: the boundaries given explicitly (hf_common.varlen_kwargs)
-            kwargs.update(varlen_kwargs(batch, text_config))
-        else:
-            raise ValueError(f"unknown batch mode {batch['mode']!r}")
-        patches = batch.get("patches")
-        if patches is not None and patches.shape[0]:
-            dtype = hf_model.model.vision_tower.dtype
-            kwargs["pixel_values"] = pixel_values(patches, batch["image_grid_thw"], side, ps, mean, std).to(dtype)
-        return kwargs
+    def images(patches, batch: dict) -> dict:
+        x = pixel_values(patches, batch["image_grid_thw"], side, ps, mean, std)
+        return {"pixel_values": x.to(hf_model.model.vision_tower.dtype)}
 
-    return adapter
-
-
-def _vision_modules(hf_model) -> list:
-    return [hf_model.model.vision_tower, hf_model.model.multi_modal_projector]
+    return image_adapter(hf_model.model.language_model.config, images)
 
 
 def vision_modules(model) -> list:
-    """The vision tower and projector of the HFModel: a batch without images does not run them."""
-    return _vision_modules(model.hf_model)
-
-
-# the rest of the backend protocol (models/__init__.py) is the same for every HF family
-fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
+    """The vision tower and projector of the HFModel (hf_common.tower_and_projector): a batch without images does
+    not run them."""
+    return model.vision_modules()
 
 
 def freeze_unused_vision(hf_model) -> int:
     """requires_grad=False on the CLIP layers past the deepest selected feature layer and on post_layernorm
     (it only feeds the pooled CLS output); returns the number of frozen weights. Other towers: untouched."""
+    from ray_mmbatch.models.hf_common import freeze
+
     tower = hf_model.model.vision_tower
     if getattr(tower.config, "model_type", "") != "clip_vision_model":
         return 0
@@ -207,22 +158,15 @@ def freeze_unused_vision(hf_model) -> int:
     chosen = hf_model.config.vision_feature_layer
     chosen = chosen if isinstance(chosen, (list, tuple)) else [chosen]
     deepest = max(c % (len(layers) + 1) for c in chosen)  # hidden_states[k] is the output of layers[k - 1]
-    n = 0
-    for module in [*layers[deepest:], body.post_layernorm]:
-        for p in module.parameters():
-            p.requires_grad_(False)
-            n += p.numel()
-    return n
+    return freeze(*layers[deepest:], body.post_layernorm)
 
 
 def create_model(cfg, ids: dict):
     """The checkpoint in fp32 wrapped in HFModel with the LLaVA adapter; tokenizer ids checked against it."""
-    from ray_mmbatch.models.hf_common import load_checked, wrap
+    from ray_mmbatch.models.hf_common import load_checked, tower_and_projector, wrap
 
     # a larger tokenizer comes e.g. from text.chat_template='plain', which adds its special tokens
     hf = load_checked(cfg, ids)
     freeze_unused_vision(hf)
-    return wrap(hf, cfg, make_adapter(hf, cfg.image), _vision_modules, NAME)
+    return wrap(hf, cfg, make_adapter(hf, cfg.image), tower_and_projector, NAME)
 
-
-export = hf_export  # save_pretrained of model + tokenizer, the processor files copied

@@ -43,17 +43,17 @@ Importing this module imports no torch (the registry imports every backend to re
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "llava_onevision"
 MODEL_TYPES: tuple[str, ...] = ("llava_onevision",)
+# the rest of the backend protocol (models/__init__.py) is the same for every HF family; export: save_pretrained
+# of model + tokenizer, the checkpoint's processor files copied
+fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
 _BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image.py resizes with
-_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # LlavaOnevisionImageProcessor's defaults
-_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _PROCESSOR_TYPES = ("LlavaOnevisionImageProcessor", "LlavaOnevisionImageProcessorFast",
                     "LlavaOnevisionImageProcessorPil")
 
@@ -74,47 +74,24 @@ def _pinpoints(value, side: int, where: str) -> tuple[int, ...]:
 
 def _pixel_settings(pre: dict, where: str) -> dict:
     """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
-    if not pre:
-        raise FileNotFoundError(f"{where}: missing (nor a processor_config.json with an image_processor): "
-                                "the LLaVA-OneVision backend takes its pixel settings from it")
-    kind = str(pre.get("image_processor_type", "LlavaOnevisionImageProcessor"))
-    if kind not in _PROCESSOR_TYPES:
-        raise ValueError(f"{where}: image_processor_type {kind!r}; the LLaVA-OneVision backend reproduces "
-                         f"{list(_PROCESSOR_TYPES)} only")
-    if not pre.get("do_resize", True) or pre.get("do_center_crop"):
-        raise ValueError(f"{where}: do_resize must be on and do_center_crop off")
-    if int(pre.get("resample", _BICUBIC)) != _BICUBIC:
-        raise ValueError(f"{where}: resample={pre.get('resample')}; only bicubic (3) matches the data path's resize")
-    if not pre.get("do_rescale", True) or not math.isclose(float(pre.get("rescale_factor", 1 / 255)), 1 / 255):
-        raise ValueError(f"{where}: pixels must be rescaled by 1/255 (do_rescale, rescale_factor)")
-    if not pre.get("do_convert_rgb", True):
-        raise ValueError(f"{where}: do_convert_rgb must be on (the data path always decodes to RGB)")
+    from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, pixel_settings
+
+    # CLIP's mean / std: LlavaOnevisionImageProcessor's defaults
+    pixels = pixel_settings(pre, where, "LLaVA-OneVision", resample=_BICUBIC, mean=CLIP_MEAN, std=CLIP_STD,
+                            types=_PROCESSOR_TYPES, always=("do_resize", "do_convert_rgb"))
+    if pre.get("do_center_crop"):
+        raise ValueError(f"{where}: do_center_crop must be off (tiles are resized whole)")
     size = {k: v for k, v in dict(pre.get("size") or {"height": 384, "width": 384}).items() if v is not None}
     if set(size) != {"height", "width"} or size["height"] != size["width"]:
         raise ValueError(f"{where}: size {size!r} is not a square tile ({{'height': S, 'width': S}})")
-    mean, std = pre.get("image_mean", _CLIP_MEAN), pre.get("image_std", _CLIP_STD)
-    mean = (mean,) * 3 if isinstance(mean, (int, float)) else tuple(mean)
-    std = (std,) * 3 if isinstance(std, (int, float)) else tuple(std)
-    if not pre.get("do_normalize", True):
-        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
-    return {"image_size": int(size["height"]), "image_mean": mean, "image_std": std,
-            "pinpoints": pre.get("image_grid_pinpoints")}
+    return {"image_size": int(size["height"]), **pixels, "pinpoints": pre.get("image_grid_pinpoints")}
 
 
 def configure(cfg):
     """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
-    from transformers import AutoConfig
+    from ray_mmbatch.models.hf_common import adopt_setting, adopt_still_pixels, image_token, open_checkpoint, read_json
 
-    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files, read_json
-
-    path = cfg.model.path
-    if not path:
-        raise ValueError("the llava_onevision backend trains a Hugging Face checkpoint: set model.path")
-    raw, processor = checkpoint_files(path)
-    if raw.get("model_type") not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not LLaVA-OneVision ({list(MODEL_TYPES)})")
-    hf_cfg = AutoConfig.from_pretrained(path)
-    where_model, where_proc = f"{path}/config.json", f"{path}/preprocessor_config.json"
+    path, hf_cfg, processor, where_model, where_proc = open_checkpoint(cfg, NAME, "LLaVA-OneVision", MODEL_TYPES)
     vision = hf_cfg.vision_config
     if hf_cfg.vision_feature_select_strategy != "full" or vision.model_type != "siglip_vision_model":
         raise ValueError(f"{where_model}: vision_feature_select_strategy={hf_cfg.vision_feature_select_strategy!r} "
@@ -143,28 +120,14 @@ def configure(cfg):
     adopt_setting(cfg, "image.image_size", side, f"{where_model} vision_config.image_size")
     adopt_setting(cfg, "image.patch_size", side, f"{path} (LLaVA-OneVision: tiles travel whole, one per patch row)")
     adopt_setting(cfg, "image.merge_size", 1, f"{path} (LLaVA-OneVision: tokens from image_tokens, not the grid)")
-    adopt_setting(cfg, "image.temporal_patch_size", 1, f"{path} (still images)")
     adopt_setting(cfg, "image.grid_pinpoints", pinpoints, f"{where_model} image_grid_pinpoints")
     adopt_setting(cfg, "image.anyres_max", anyres_max, f"{where_model} vision_aspect_ratio")
     adopt_setting(cfg, "image.anyres_features", g, f"{where_model} vision_config image_size / patch_size")
-    for key in ("image_mean", "image_std"):
-        adopt_setting(cfg, f"image.{key}", pixels[key], f"{where_proc} {key}")
-    if not cfg.text.tokenizer:
-        cfg.text.tokenizer = path
+    adopt_still_pixels(cfg, pixels, where_proc, "LLaVA-OneVision")
     token_id = int(hf_cfg.image_token_id)
-    adopt_setting(cfg, "text.image_token", _image_token(cfg.text.tokenizer, token_id, path),
+    adopt_setting(cfg, "text.image_token", image_token(cfg.text.tokenizer, token_id, path, "image_token_index"),
                   f"{path} tokenizer, token id {token_id} (config.json image_token_index)")
     return cfg
-
-
-def _image_token(tokenizer: str, token_id: int, path: str) -> str:
-    from ray_mmbatch.data.text.tokenizer import load_tokenizer
-
-    tok = load_tokenizer(tokenizer)
-    token = tok.convert_ids_to_tokens(token_id)
-    if token is None or tok.convert_tokens_to_ids(token) != token_id:
-        raise ValueError(f"{path}: image_token_index {token_id} is not a token of the tokenizer {tokenizer}")
-    return token
 
 
 # ------------------------------------------------------------------ model
@@ -185,34 +148,21 @@ def images_per_sample(batch: dict) -> list[int]:
 
 def make_adapter(hf_model, image_cfg):
     """batch (collate layout, tensors) -> kwargs of ``LlavaOnevisionModel.forward`` (see module docstring)."""
-    from ray_mmbatch.models.hf_common import varlen_kwargs
+    from ray_mmbatch.models.hf_common import image_adapter
 
     side, ps = int(image_cfg.image_size), int(image_cfg.patch_size)
     mean, std = tuple(image_cfg.image_mean), tuple(image_cfg.image_std)
     if ps != side:
         raise ValueError(f"LLaVA-OneVision tiles travel whole: image.patch_size must be {side}, got {ps}")
-    text_config = hf_model.model.language_model.config
 
-    def adapter(batch: dict) -> dict:
-        kwargs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-        if batch["mode"] == "pad":
-            kwargs["attention_mask"] = batch["attention_mask"]
-        elif batch["mode"] == "pack":
-            kwargs.update(varlen_kwargs(batch, text_config))
-        else:
-            raise ValueError(f"unknown batch mode {batch['mode']!r}")
-        patches = batch.get("patches")
-        if patches is not None and patches.shape[0]:
-            if "image_sizes" not in batch:
-                raise ValueError("LLaVA-OneVision needs image_sizes per image (was the data measured with "
-                                 "image.resize='anyres'?)")
-            dtype = hf_model.model.vision_tower.dtype
-            kwargs["pixel_values"] = pixel_values(patches, side, mean, std).to(dtype)
-            kwargs["image_sizes"] = batch["image_sizes"].long()
-            kwargs["batch_num_images"] = images_per_sample(batch)
-        return kwargs
+    def images(patches, batch: dict) -> dict:
+        if "image_sizes" not in batch:
+            raise ValueError("LLaVA-OneVision needs image_sizes per image (was the data measured with "
+                             "image.resize='anyres'?)")
+        return {"pixel_values": pixel_values(patches, side, mean, std).to(hf_model.model.vision_tower.dtype),
+                "image_sizes": batch["image_sizes"].long(), "batch_num_images": images_per_sample(batch)}
 
-    return adapter
+    return image_adapter(hf_model.model.language_model.config, images)
 
 
 def _vision_modules(hf_model) -> list:
@@ -228,21 +178,13 @@ def vision_modules(model) -> list:
     return _vision_modules(model.hf_model)
 
 
-# the rest of the backend protocol (models/__init__.py) is the same for every HF family
-fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
-
-
 def freeze_unused_vision(hf_model) -> int:
     """requires_grad=False on SigLIP's post_layernorm and pooling head: vision_feature_layer -1 takes the last
     encoder layer's hidden states, before them. Returns the number of frozen weights."""
+    from ray_mmbatch.models.hf_common import freeze
+
     tower = hf_model.model.vision_tower
-    n = 0
-    for name in ("post_layernorm", "head"):
-        module = getattr(tower, name, None)
-        for p in (module.parameters() if module is not None else ()):
-            p.requires_grad_(False)
-            n += p.numel()
-    return n
+    return freeze(getattr(tower, "post_layernorm", None), getattr(tower, "head", None))
 
 
 def create_model(cfg, ids: dict):
@@ -253,5 +195,3 @@ def create_model(cfg, ids: dict):
     freeze_unused_vision(hf)
     return wrap(hf, cfg, make_adapter(hf, cfg.image), _vision_modules, NAME)
 
-
-export = hf_export  # save_pretrained of model + tokenizer, the processor files copied
