@@ -1,4 +1,5 @@
-"""Tiny random Qwen-VL checkpoint directories for tests (nothing downloaded).
+"""Tiny random Qwen-VL checkpoint directories for tests (nothing downloaded); what the other families' makers
+(tests/hf_*_checkpoint.py) share: ``start_checkpoint``, ``small_text_config``.
 
 ``make_qwen_checkpoint(dir, model_type)`` writes what a Qwen/Qwen2-VL, Qwen2.5-VL or Qwen3-VL
 repo holds, shrunk: config.json (text model 64 wide, 2 layers, 4 heads of 16 with an M-RoPE
@@ -47,6 +48,34 @@ def _vision_config(model_type: str, init: float) -> dict:
     return dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
                 temporal_patch_size=2, out_hidden_size=HIDDEN, num_position_embeddings=64,
                 deepstack_visual_indexes=[0, 1], initializer_range=init)
+
+
+def start_checkpoint(directory, special: list[str], chat_template: str, **kwargs):
+    """(the checkpoint directory, made; its tokenizer): the shipped BPE (a fresh copy: load_tokenizer's is shared)
+    plus ``special`` tokens, a pad token if it has none and ``chat_template``, saved there; ``kwargs`` go to
+    from_pretrained."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(SHIPPED_TOKENIZER), **kwargs)
+    tok.add_special_tokens({"additional_special_tokens": list(special)})
+    if tok.pad_token is None:
+        tok.add_special_tokens({"pad_token": "<|pad|>"})
+    tok.chat_template = chat_template
+    tok.save_pretrained(d)
+    return d, tok
+
+
+def small_text_config(tok, initializer_range: float, max_positions: int, overrides: dict | None = None) -> dict:
+    """The text model's config fields of the tiny checkpoints (64 wide, 2 layers, 4 heads, 2 KV heads, untied
+    embeddings over the whole tokenizer ``tok``), ``overrides`` last (the benchmarks widen the model)."""
+    return {**dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                   initializer_range=initializer_range, pad_token_id=tok.pad_token_id, tie_word_embeddings=False),
+            **(overrides or {})}
 
 
 def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 0.2, seed: int = 0,

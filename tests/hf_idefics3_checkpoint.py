@@ -43,6 +43,7 @@ def make_idefics3_checkpoint(directory, model_type: str = "smolvlm", initializer
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
+    from tests.hf_checkpoints import small_text_config
 
     if model_type == "smolvlm":
         from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as Pil
@@ -59,10 +60,7 @@ def make_idefics3_checkpoint(directory, model_type: str = "smolvlm", initializer
     tok.chat_template = SMOLVLM
     tok.save_pretrained(d)
 
-    text_cfg = {**dict(model_type="llama", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=4096, initializer_range=initializer_range,
-                       pad_token_id=tok.pad_token_id, tie_word_embeddings=False), **(text or {})}
+    text_cfg = small_text_config(tok, initializer_range, 4096, {"model_type": "llama", **(text or {})})
     vision_cfg = {**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          image_size=side, patch_size=patch, initializer_range=initializer_range), **(vision or {})}
     per_image = (side // patch) ** 2 // 4

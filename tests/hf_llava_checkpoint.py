@@ -25,28 +25,17 @@ def make_llava_checkpoint(directory, initializer_range: float = 0.2, seed: int =
         LlamaConfig,
         LlavaConfig,
         LlavaForConditionalGeneration,
-        PreTrainedTokenizerFast,
     )
 
-    from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER
     from tests.chat_templates import LLAVA
+    from tests.hf_checkpoints import small_text_config, start_checkpoint
 
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(SHIPPED_TOKENIZER))  # a fresh copy: load_tokenizer's is shared
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    if tok.pad_token is None:
-        tok.add_special_tokens({"pad_token": "<|pad|>"})
-    tok.chat_template = LLAVA
-    tok.save_pretrained(d)
+    d, tok = start_checkpoint(directory, ["<image>"], LLAVA)
 
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               image_size=image_size, patch_size=PATCH, projection_dim=32,
                               initializer_range=initializer_range)
-    text = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=initializer_range, pad_token_id=tok.pad_token_id,
-                       tie_word_embeddings=False)
+    text = LlamaConfig(**small_text_config(tok, initializer_range, 512))
     config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.convert_tokens_to_ids("<image>"),
                          image_seq_length=(image_size // PATCH) ** 2 + (select_strategy == "full"),
                          vision_feature_select_strategy=select_strategy, vision_feature_layer=-2,

@@ -47,26 +47,14 @@ def make_llava_onevision_checkpoint(directory, initializer_range: float = 0.2, s
         LlavaOnevisionConfig,
         LlavaOnevisionForConditionalGeneration,
         LlavaOnevisionImageProcessorPil,
-        PreTrainedTokenizerFast,
         Qwen2Config,
         SiglipVisionConfig,
     )
 
-    from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER
+    from tests.hf_checkpoints import small_text_config, start_checkpoint
 
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tok = PreTrainedTokenizerFast.from_pretrained(str(SHIPPED_TOKENIZER))  # a fresh copy: load_tokenizer's is shared
-    tok.add_special_tokens({"additional_special_tokens": ["<image>", "<video>"]})
-    if tok.pad_token is None:
-        tok.add_special_tokens({"pad_token": "<|pad|>"})
-    tok.chat_template = ONEVISION
-    tok.save_pretrained(d)
-
-    text_cfg = Qwen2Config(**{**dict(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=8192, initializer_range=initializer_range,
-        pad_token_id=tok.pad_token_id, tie_word_embeddings=False), **(text or {})})
+    d, tok = start_checkpoint(directory, ["<image>", "<video>"], ONEVISION)
+    text_cfg = Qwen2Config(**small_text_config(tok, initializer_range, 8192, text))
     vision_cfg = SiglipVisionConfig(**{**dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=tile,
         patch_size=PATCH, vision_use_head=False), **(vision or {})})

@@ -10,45 +10,32 @@ the processor's; every target token's CE must match within 1e-4 nats in fp32, gr
 The tiny checkpoint (initializer_range 0.2, the zero-initialized projection redrawn) has a
 sliding window of 12 tokens, shorter than a sample, and 16 tokens per image, so the controls --
 a causal mask over the image blocks, HF's own packing from position ids, no sample boundaries,
-no sliding window -- all move the loss far beyond the tolerance.
+no sliding window -- all move the loss far beyond the tolerance. What the family modules share:
+tests/family_harness.py.
 """
 from __future__ import annotations
 
 import copy
 import io
 import json
-import re
-import shutil
+from functools import partial
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
-from ray_mmbatch import schema as S
-from ray_mmbatch.batching.collate import collate_pack, collate_pad
 from ray_mmbatch.config import Config
-from ray_mmbatch.data.materialize import materialize_sample
-from ray_mmbatch.data.measure import measure_batch
-from ray_mmbatch.data.text.encoder import tokenizer_for
 from ray_mmbatch.models import gemma3, token_ids
-from ray_mmbatch.train.step import batch_to_torch
+from tests import family_harness as h
+from tests.family_harness import collate
 from tests.hf_gemma3_checkpoint import PATCH, SLIDING_WINDOW, TOKENS_PER_IMAGE, make_gemma3_checkpoint
 
 SIDE = 56
-TOL = 1e-4
 BLOCK = ("<start_of_image>", "\n\n<start_of_image><image_soft_token><end_of_image>\n\n")
 
 
-def _image(w: int, h: int, seed: int, mode: str = "RGB") -> bytes:
-    rng = np.random.default_rng(seed)
-    a = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
-    a[h // 3: h // 3 + 2, :, 0] = 255  # a stripe, so the resize matters
-    img = Image.fromarray(a).convert(mode)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+def _image(w: int, hh: int, seed: int, mode: str = "RGB") -> bytes:
+    return h.png(h.image(w, hh, seed, mode=mode))
 
 
 # (id, conversation, images): 1, 2, 0, 1 images; answers ending in spaces (the template trims them);
@@ -66,32 +53,10 @@ SPECS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return make_gemma3_checkpoint(tmp_path_factory.mktemp("gemma3"), image_size=SIDE)
+ckpt, cfg, tok, model, reference = h.family_fixtures(gemma3, lambda d: make_gemma3_checkpoint(d, image_size=SIDE))
 
 
-def _configure(path, **overrides):
-    from ray_mmbatch.config import apply_overrides
-
-    c = Config()
-    c.model.path = str(path)
-    return gemma3.configure(apply_overrides(c, overrides))
-
-
-@pytest.fixture(scope="module")
-def cfg(ckpt):
-    return _configure(ckpt)
-
-
-@pytest.fixture(scope="module")
-def tok(cfg):
-    return tokenizer_for(cfg.text)
-
-
-@pytest.fixture(scope="module")
-def model(cfg):
-    return gemma3.create_model(cfg, token_ids(cfg)).eval()
+_configure = partial(h.configure, gemma3)
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +71,8 @@ def processor(ckpt):
 
 
 def _raw(specs) -> dict:
-    return {S.SAMPLE_ID: [s[0] for s in specs], S.CONVERSATIONS: [json.dumps(s[1]) for s in specs],
-            S.IMAGES: [s[2] for s in specs], S.IMAGE_REFS: [[f"{s[0]}/{j}" for j in range(len(s[2]))] for s in specs],
-            S.READ_ERROR: [""] * len(specs)}
+    return h.raw_rows([s[0] for s in specs], [s[1] for s in specs], [s[2] for s in specs],
+                      [[f"{s[0]}/{j}" for j in range(len(s[2]))] for s in specs])
 
 
 def _messages(conv: list[dict]) -> list[dict]:
@@ -135,51 +99,18 @@ def _hf_inputs(processor, conv, images: list[bytes]) -> dict:
 @pytest.fixture(scope="module")
 def built(cfg, tok, processor):
     """Materialized samples of SPECS through the data path, and HF's inputs for each."""
-    measured = measure_batch(_raw(SPECS), cfg.image, tok, cfg.text)
-    assert not any(measured[S.SKIP_REASON]), list(measured[S.SKIP_REASON])
-    samples = [materialize_sample({c: measured[c][i] for c in measured}, cfg.image) for i in range(len(SPECS))]
-    return samples, [_hf_inputs(processor, conv, images) for _, conv, images in SPECS]
-
-
-def _reference_ce(model, sample: dict, inputs: dict) -> torch.Tensor:
-    """HF's standard path for ONE sample: full logits, shifted CE at the target positions."""
-    kwargs = {k: inputs[k] for k in ("input_ids", "attention_mask", "token_type_ids", "pixel_values") if k in inputs}
-    logits = model.hf_model(**kwargs).logits[0]
-    labels = torch.as_tensor(sample["labels"], dtype=torch.long)
-    at = torch.nonzero(labels != S.IGNORE_INDEX).flatten()
-    ids = inputs["input_ids"][0]
-    assert torch.equal(labels[at], ids[at + 1])  # labels are the next tokens: the test's shift is HF's
-    return F.cross_entropy(logits[at].float(), ids[at + 1], reduction="none")
-
-
-def _collate(mode: str, samples: list[dict], pad_id: int) -> dict:
-    return batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, pad_id), "cpu")
-
-
-def _grads(model) -> dict[str, torch.Tensor]:
-    out = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference(model, built):
-    """Per-target CE of every sample alone (concatenated in sample order) and the gradient of their sum."""
-    model.zero_grad(set_to_none=True)
-    ces = []
-    for sample, inputs in zip(*built):
-        ce = _reference_ce(model, sample, inputs)
-        ce.sum().backward()
-        ces.append(ce.detach())
-    return torch.cat(ces), _grads(model)
+    samples, _, _ = h.through_the_data_path(_raw(SPECS), cfg, tok)
+    keys = ("input_ids", "attention_mask", "token_type_ids", "pixel_values")
+    hf = [_hf_inputs(processor, conv, images) for _, conv, images in SPECS]
+    return samples, [{k: inputs[k] for k in keys if k in inputs} for inputs in hf], hf
 
 
 # ------------------------------------------------------------------ the data path is the processor's
 def test_ids_token_types_and_pixels_equal_the_processor(model, built, tok):
-    samples, hf_inputs = built
+    samples, _, hf_inputs = built
     for sample, inputs in zip(samples, hf_inputs):
         assert sample["input_ids"].tolist() == inputs["input_ids"][0].tolist()  # image block, trimmed answers
-        ours = model.forward_inputs(_collate("pad", [sample], tok.pad_token_id))
+        ours = model.forward_inputs(collate("pad", [sample], tok.pad_token_id))
         assert torch.equal(ours["token_type_ids"], inputs["token_type_ids"].long())
         if "pixel_values" in inputs:
             assert (ours["pixel_values"] - inputs["pixel_values"]).abs().max().item() < 1e-5
@@ -195,53 +126,20 @@ def test_ids_token_types_and_pixels_equal_the_processor(model, built, tok):
 
 
 # ------------------------------------------------------------------ exactness
-@pytest.mark.parametrize("mode", ["pack", "pad"])
-def test_batch_equals_each_sample_alone(model, built, reference, tok, mode):
-    samples, _ = built
-    ref_ce, ref_grads = reference
-    ce = model.target_ce(_collate(mode, samples, tok.pad_token_id))
-    assert ce.shape == ref_ce.shape
-    diff = (ce.detach() - ref_ce).abs().max().item()
-    print(f"{mode}: {ce.numel()} target tokens, max per-token CE diff {diff:.2e}")
-    assert diff < TOL
-    ce.sum().backward()
-    grads = _grads(model)
-    assert grads.keys() == ref_grads.keys()
-    # per parameter, relative to its own norm, with a floor of 1e-3 of the whole gradient's norm (weights whose
-    # gradient is exactly zero in exact arithmetic carry float noise only)
-    floor = 1e-3 * torch.sqrt(sum(g.norm() ** 2 for g in ref_grads.values()))
-    rel = {n: ((grads[n] - g).norm() / torch.maximum(g.norm(), floor)).item() for n, g in ref_grads.items()}
-    worst = max(rel.values())
-    print(f"{mode}: worst per-parameter relative gradient diff {worst:.2e}")
-    assert worst < TOL
+test_batch_equals_each_sample_alone = h.exactness_test()
 
 
 def test_pack_is_exact_with_eager_attention(cfg, built, reference, tok):
     """The masks come from transformers' mask builder, so eager gets them in its own (additive) format."""
-    eager_cfg = copy.deepcopy(cfg)
-    eager_cfg.model.attn_implementation = "eager"
-    eager = gemma3.create_model(eager_cfg, token_ids(cfg)).eval()
-    assert eager.hf_model.config.get_text_config()._attn_implementation == "eager"
-    with torch.no_grad():
-        ce = eager.target_ce(_collate("pack", built[0], tok.pad_token_id))
-    assert (ce - reference[0]).abs().max().item() < TOL
-
-
-def _ce_with(model, batch, kwargs) -> torch.Tensor:
-    hidden = model.hf_model.model(**kwargs, use_cache=False).last_hidden_state
-    is_target = batch["labels"] != S.IGNORE_INDEX
-    return F.cross_entropy(model.hf_model.lm_head(hidden[is_target]).float(), batch["labels"][is_target],
-                           reduction="none")
+    h.check_pack_exact_with_eager(gemma3, cfg, tok, built[0], reference, lambda hf: hf.config.get_text_config())
 
 
 @pytest.mark.parametrize("naive", ["causal_image_blocks", "hf_position_id_packing", "no_sample_boundaries",
                                    "no_sliding_window", "pad_without_token_types"])
 def test_naive_feeds_are_caught(model, built, reference, tok, naive):
     """The tolerance is meaningful: each naive feed moves some target token's CE far beyond it."""
-    samples, _ = built
-    batch = _collate("pad" if naive == "pad_without_token_types" else "pack", samples, tok.pad_token_id)
+    batch = collate("pad" if naive == "pad_without_token_types" else "pack", built[0], tok.pad_token_id)
     kwargs = model.forward_inputs(batch)
-    kwargs.pop("use_cache")
     if naive == "causal_image_blocks":  # no image block: every image token causal
         kwargs["attention_mask"] = model._adapter.packed_masks(batch, torch.zeros_like(batch["input_ids"]))
     elif naive == "hf_position_id_packing":  # HF finds the samples from the restarting position ids itself
@@ -253,15 +151,12 @@ def test_naive_feeds_are_caught(model, built, reference, tok, naive):
         kwargs["attention_mask"]["sliding_attention"] = kwargs["attention_mask"]["full_attention"]
     else:
         del kwargs["token_type_ids"]
-    with torch.no_grad():
-        diff = (_ce_with(model, batch, kwargs) - reference[0]).abs().max().item()
-    print(f"naive {naive}: max per-token CE diff {diff:.2e}")
-    assert diff > 100 * TOL, f"{naive}: CE moved only {diff:.2e}, so the exactness test could not fail"
+    h.check_caught(model, batch, kwargs, reference[0], naive)
 
 
 def test_packed_masks_keep_samples_apart_and_image_blocks_whole(model, built, tok):
     """The sdpa masks themselves: no entry across samples, each image block all-to-all, the window on sliding."""
-    batch = _collate("pack", built[0], tok.pad_token_id)
+    batch = collate("pack", built[0], tok.pad_token_id)
     kwargs = model.forward_inputs(batch)
     full, sliding = (kwargs["attention_mask"][k][0, 0] for k in ("full_attention", "sliding_attention"))
     sample = torch.repeat_interleave(torch.arange(len(built[0])), batch["seq_lens"].long())
@@ -276,46 +171,17 @@ def test_packed_masks_keep_samples_apart_and_image_blocks_whole(model, built, to
     assert torch.equal(sliding, full & (t[None, :] > t[:, None] - SLIDING_WINDOW))
 
 
-def test_text_only_batch_and_every_trainable_weight_gets_a_gradient(model, built, tok):
-    samples, _ = built
-    text_only = _collate("pack", [samples[2]], tok.pad_token_id)
-    assert len(samples[2]["patches"]) == 0 and "pixel_values" not in model.forward_inputs(text_only)
-    for batch in (text_only, _collate("pad", samples, tok.pad_token_id)):
-        ce_sum, n = model(batch, loss_only=True)
-        assert int(n) == int((batch["labels"] != S.IGNORE_INDEX).sum())
-        ce_sum.backward()
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        assert trainable == set(_grads(model))  # DDP: no trainable weight left out of the graph
+test_text_only_batch_and_every_trainable_weight_gets_a_gradient = h.text_only_test(2)
 
 
-def test_verify_packing_command_passes(ckpt, tmp_path, capsys):
+def test_verify_packing_command_passes(ckpt, tmp_path_factory, capsys):
     """The verify-packing command on synthetic data through the real data path (local_batches), pack mode."""
-    from ray_mmbatch.commands.verify_packing import main
-    from ray_mmbatch.synthetic.generate import generate_dataset
-
-    generate_dataset(str(tmp_path / "data"), 12, "parquet", seed=3, shard_size=12)
-    rc = main(["--model", str(ckpt), "--data", str(tmp_path / "data"), "--mode", "pack", "--max-tokens", "1024",
-               "--batches", "2", "--device", "cpu"])
-    report = json.loads(capsys.readouterr().out)
-    assert rc == 0 and report["ok"] and report["samples"] > 5 and report["max_abs_diff"] < TOL, report
+    report = h.verify_packing(ckpt, h.generated_data(tmp_path_factory, "gemma3_verify_data", 12, seed=3), "pack",
+                              1024, capsys)
+    assert report["samples"] > 5
 
 
 # ------------------------------------------------------------------ configure
-def _variant(ckpt, tmp_path, config: dict | None = None, pre: dict | None = None, proc: dict | None = None):
-    """A copy of the checkpoint's JSON / tokenizer files (no weights: configure reads none) with fields changed."""
-    d = tmp_path / "variant"
-    d.mkdir()
-    for f in ckpt.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, d / f.name)
-    for name, change in (("config.json", config), ("preprocessor_config.json", pre), ("processor_config.json", proc)):
-        if change:
-            data = json.loads((d / name).read_text())
-            data.update(change)
-            (d / name).write_text(json.dumps(data))
-    return d
-
-
 def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
     im = cfg.image
     assert (im.resize, im.image_size, im.patch_size, im.merge_size, im.temporal_patch_size) == \
@@ -327,12 +193,9 @@ def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
     assert gemma3.configure(copy.deepcopy(cfg)).text == cfg.text  # idempotent
 
 
-@pytest.mark.parametrize("key,value", [("image.merge_size", 4), ("image.image_size", 224), ("image.patch_size", 16),
-                                       ("image.resize", "fixed"), ("text.image_token", "<start_of_image>"),
-                                       ("image.image_mean", "0.1,0.1,0.1")])
-def test_configure_refuses_contradicting_settings(ckpt, key, value):
-    with pytest.raises(ValueError, match=rf"{re.escape(key)} = .*contradicts the checkpoint"):
-        _configure(ckpt, **{key: value})
+test_configure_refuses_contradicting_settings = h.contradicting_settings_test(gemma3, [
+    ("image.merge_size", 4), ("image.image_size", 224), ("image.patch_size", 16), ("image.resize", "fixed"),
+    ("text.image_token", "<start_of_image>"), ("image.image_mean", "0.1,0.1,0.1")])
 
 
 @pytest.mark.parametrize("config,pre,proc,match", [
@@ -345,8 +208,7 @@ def test_configure_refuses_contradicting_settings(ckpt, key, value):
     ({"model_type": "llava"}, None, None, "not Gemma 3"),
 ])
 def test_configure_refuses_what_the_data_path_cannot_reproduce(ckpt, tmp_path, config, pre, proc, match):
-    with pytest.raises(ValueError, match=match):
-        _configure(_variant(ckpt, tmp_path, config=config, pre=pre, proc=proc))
+    h.assert_refuses(gemma3, h.variant(ckpt, tmp_path, config=config, pre=pre, proc=proc), match)
 
 
 def test_create_model_refuses_flash_attention_and_unconfigured_data(cfg):
@@ -364,22 +226,8 @@ def test_create_model_refuses_flash_attention_and_unconfigured_data(cfg):
 
 def test_export_round_trip(model, cfg, built, tmp_path):
     """export -> an HF checkpoint that loads, computes the same logits and configures the same way."""
-    from transformers import AutoModelForImageTextToText
-
-    out = gemma3.export(model, cfg, tmp_path / "hf")
-    batch = _collate("pad", [built[0][0]], 0)
-    back = AutoModelForImageTextToText.from_pretrained(str(out), dtype=torch.float32).eval()
-    kwargs = model.forward_inputs(batch)
-    with torch.no_grad():
-        a = model.hf_model(**kwargs).logits
-        b = back(**kwargs).logits
-    assert (a - b).abs().max().item() < 1e-5
-    again = _configure(out)
+    again = h.check_export(gemma3, model, cfg, collate("pad", [built[0][0]], 0), tmp_path)
     assert (again.image.resize, again.image.merge_size, again.text.image_block) == ("squash", 2, BLOCK)
 
 
-def test_registry_finds_the_backend(ckpt):
-    from ray_mmbatch.config import ModelConfig
-    from ray_mmbatch.models import backend_name
-
-    assert backend_name(ModelConfig(path=str(ckpt))) == "gemma3"
+test_registry_finds_the_backend = h.registry_test(gemma3)
