@@ -177,6 +177,10 @@ class ModelConfig:
     lora_targets: str = flag("--lora-targets", "language")
     """Where LoRA goes: parts ('language', 'vision', 'projector', any subset) and/or module-name suffixes
     ('q_proj,v_proj'); the LM head never."""
+    lora_modules_to_save: str = flag("--lora-modules-to-save", "")
+    """Modules trained in full beside the adapters and saved in the adapter (peft's modules_to_save,
+    ms-swift's --modules_to_save, LLaMA-Factory's additional_target), by name or last name part:
+    e.g. 'embed_tokens,lm_head' after adding tokens. Default none: the adapter holds LoRA weights only."""
     qlora: bool = flag("--qlora", False)
     """QLoRA: the HF checkpoint's linear layers in 4-bit NF4 (bitsandbytes) under the LoRA adapters; needs
     --lora-rank, a CUDA GPU (--use-gpu) and bitsandbytes, and is refused at start anywhere else."""

@@ -175,3 +175,65 @@ def test_qlora_is_refused_at_start_naming_why():
     with pytest.raises(ValueError) as err:
         T.check_config(cfg)
     assert "FSDP2" in str(err.value) and "--lora-rank" not in str(err.value)
+
+
+def test_lora_modules_to_save_train_in_full_and_travel_in_the_adapter(data, qwen, tmp_path):
+    """--lora-modules-to-save lm_head (peft's modules_to_save): the head trains in full beside the adapters,
+    the embeddings stay frozen, the exported adapter carries the head and reloads through PeftModel and
+    load_adapter to the trained logits; not asked, the adapter holds LoRA weights only."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    cfg = _cfg(data, qwen, lora_rank=4, lora_alpha=8.0, lora_modules_to_save="lm_head")
+    model = _model(cfg)
+    T.configure_trainable(model, cfg)
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "hf_model.lm_head.weight" in trains and all("lora_" in n or "lm_head" in n for n in trains)
+    batches = _image_batches(cfg)
+    head, embed = (model.hf_model.lm_head.weight.detach().clone(),
+                   model.hf_model.get_input_embeddings().weight.detach().clone())
+    _train(model, cfg, batches, lr=5e-2)
+    assert not torch.equal(model.hf_model.lm_head.weight, head)
+    assert torch.equal(model.hf_model.get_input_embeddings().weight, embed)
+    model.eval()
+    with torch.no_grad():
+        want = model(batches[0])
+    scale = float(want.abs().max())
+
+    d = T.export_adapter(model, tmp_path / "adapter", qwen)
+    keys = set(load_file(str(d / "adapter_model.safetensors")))
+    assert "base_model.model.lm_head.weight" in keys and all("lora_" in k or "lm_head" in k for k in keys)
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen), str(d))
+    fresh = _model(_cfg(data, qwen)).eval()
+    fresh.hf_model.load_state_dict(peft_model.merge_and_unload().state_dict())
+    reloaded = _model(_cfg(data, qwen)).eval()
+    T.load_adapter(reloaded, d)
+    with torch.no_grad():
+        assert float((fresh(batches[0]) - want).abs().max()) <= 1e-5 * scale
+        assert float((reloaded(batches[0]) - want).abs().max()) <= 1e-5 * scale
+    assert {n for n, p in reloaded.named_parameters() if p.requires_grad} == trains
+
+    plain = _model(_cfg(data, qwen, lora_rank=4))
+    T.configure_trainable(plain, _cfg(data, qwen, lora_rank=4))
+    assert all("lora_" in k for k in T.lora_state_dict(plain))  # by default: LoRA weights only
+
+
+def test_lora_modules_to_save_refusals():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = torch.nn.Embedding(10, 4)
+            self.proj = torch.nn.Linear(4, 4)
+            self.lm_head = torch.nn.Linear(4, 10, bias=False)
+            self.lm_head.weight = self.embed_tokens.weight
+
+    cfg = Config()
+    cfg.model.lora_modules_to_save = "lm_head"
+    with pytest.raises(ValueError, match="shares its weights with 'embed_tokens'"):
+        T.modules_to_save(Tied(), cfg.model)
+    cfg.model.lora_modules_to_save = "lm_head,embed_tokens"
+    assert T.modules_to_save(Tied(), cfg.model) == ["lm_head", "embed_tokens"]
+    cfg.model.lora_modules_to_save = "wte"
+    with pytest.raises(ValueError, match="matches no module"):
+        T.modules_to_save(Tied(), cfg.model)

@@ -113,13 +113,57 @@ def _lora_config(cfg_model, model: nn.Module):
     bare = getattr(model, "module", model)
     root, prefix = (bare.hf_model, "hf_model.") if hasattr(bare, "hf_model") else (bare, "")
     in_parts = {name[len(prefix):].rsplit(".", 1)[0] for part in (parts or PARTS) for name, _ in groups[part]}
+    saved = modules_to_save(root, cfg_model)
     targets = sorted(name for name, m in root.named_modules()
                      if isinstance(m, nn.Linear) and name in in_parts and not name.endswith("head")
-                     and (not suffixes or name.split(".")[-1] in suffixes))
+                     and (not suffixes or name.split(".")[-1] in suffixes)
+                     and not any(name == s or name.startswith(s + ".") for s in saved))
     if not targets:
         raise ValueError(f"--lora-targets {cfg_model.lora_targets!r} matches no nn.Linear layer of the model")
     return LoraConfig(r=int(cfg_model.lora_rank), lora_alpha=float(cfg_model.lora_alpha),
-                      lora_dropout=float(cfg_model.lora_dropout), target_modules=targets, bias="none"), root
+                      lora_dropout=float(cfg_model.lora_dropout), target_modules=targets, bias="none",
+                      modules_to_save=saved or None), root
+
+
+def modules_to_save(root: nn.Module, cfg_model) -> list[str]:
+    """The full module names ``--lora-modules-to-save`` asks for (by name or last name part), checked:
+    each must match, and a weight tied to another module (tie_word_embeddings) needs that module listed
+    too (PEFT reloads each as its own copy)."""
+    words = [w.strip() for w in str(getattr(cfg_model, "lora_modules_to_save", "") or "").split(",") if w.strip()]
+    if not words:
+        return []
+    names = [n for n, _ in root.named_modules() if n]
+    out = []
+    for w in words:
+        hit = [n for n in names if n == w or n.split(".")[-1] == w]
+        hit = [n for n in hit if not any(n.startswith(o + ".") for o in hit)]  # the outermost
+        if not hit:
+            raise ValueError(f"--lora-modules-to-save {w!r} matches no module of the model (e.g. lm_head, "
+                             "embed_tokens)")
+        out += [n for n in hit if n not in out]
+    owners: dict[int, list[str]] = {}
+    for name, module in root.named_modules(remove_duplicate=False):
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(name)
+    for name in out:
+        for p in root.get_submodule(name).parameters():
+            others = [o for o in owners.get(id(p), []) if not any(o == s or o.startswith(s + ".") for s in out)]
+            if others:
+                raise ValueError(f"--lora-modules-to-save {name!r} shares its weights with {others[0]!r} "
+                                 "(tied embeddings): list both, so the adapter carries both copies")
+    return out
+
+
+def _saved_prefixes(bare: nn.Module) -> tuple[str, ...]:
+    """State-dict prefixes of the modules trained in full beside a LoRA adapter (on ``bare``)."""
+    config = getattr(bare, "lora_config", None)
+    prefix = "hf_model." if hasattr(bare, "hf_model") else ""
+    return tuple(prefix + m + "." for m in (getattr(config, "modules_to_save", None) or ()))
+
+
+def _adapter_trains(bare: nn.Module, name: str) -> bool:
+    """Does parameter ``name`` train in a LoRA run: a LoRA weight or part of a module to save."""
+    return "lora_" in name or name.startswith(_saved_prefixes(bare))
 
 
 def add_lora(model: nn.Module, cfg_model) -> Any:
@@ -129,10 +173,14 @@ def add_lora(model: nn.Module, cfg_model) -> Any:
     except ImportError as e:
         raise ImportError("--lora-rank needs peft: pip install 'ray_mmbatch[lora]' (or pip install peft)") from e
     config, root = _lora_config(cfg_model, model)
+    saved = config.modules_to_save
+    config.modules_to_save = None  # trained in place here (requires_grad); the exported config names them
     inject_adapter_in_model(config, root)
-    for name, p in getattr(model, "module", model).named_parameters():
-        p.requires_grad_("lora_" in name)
-    getattr(model, "module", model).lora_config = config
+    config.modules_to_save = saved
+    bare = getattr(model, "module", model)
+    bare.lora_config = config
+    for name, p in bare.named_parameters():
+        p.requires_grad_(_adapter_trains(bare, name))
     return config
 
 
@@ -198,9 +246,10 @@ def lora_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict[st
     bare = getattr(model, "module", model)
     sd = state_dict if state_dict is not None else bare.state_dict()
     prefix = "hf_model." if hasattr(bare, "hf_model") else ""
+    saved = _saved_prefixes(bare)  # --lora-modules-to-save: PEFT keeps them as <module>.weight
     out = {}
     for k, v in sd.items():
-        if "lora_" not in k:
+        if "lora_" not in k and not k.startswith(saved):
             continue
         k = k[len(prefix):] if k.startswith(prefix) else k
         out["base_model.model." + k.replace(".default", "")] = v.detach().cpu().contiguous()
@@ -242,8 +291,11 @@ def load_adapter(model: nn.Module, directory) -> Any:
     if hasattr(bare, "lora_config"):
         raise ValueError("the model already carries LoRA adapters (--lora-rank): load an adapter on the base alone")
     root = bare.hf_model if hasattr(bare, "hf_model") else bare
+    saved = list(config.modules_to_save or ())
+    config.modules_to_save = None  # loaded in place (the modules' own weights), as a LoRA run trains them
     inject_adapter_in_model(config, root)
-    want = {k for k in root.state_dict() if "lora_" in k}
+    config.modules_to_save = saved or None
+    want = {k for k in root.state_dict() if "lora_" in k or k.startswith(tuple(m + "." for m in saved))}
     got = {}
     for key, value in load_file(str(d / LORA_FILE)).items():  # base_model.model.<path>.lora_A.weight
         parts = key.removeprefix("base_model.model.").split(".")
@@ -256,9 +308,9 @@ def load_adapter(model: nn.Module, directory) -> Any:
         raise ValueError(f"adapter {d} does not fit this model: missing {len(missing)} {missing[:3]}, unexpected "
                          f"{len(extra)} {extra[:3]} (another base model?)")
     root.load_state_dict(got, strict=False)
-    for name, p in bare.named_parameters():
-        p.requires_grad_("lora_" in name)
     bare.lora_config = config
+    for name, p in bare.named_parameters():
+        p.requires_grad_(_adapter_trains(bare, name))
     return config
 
 
