@@ -237,3 +237,14 @@ def test_lora_modules_to_save_refusals():
     cfg.model.lora_modules_to_save = "wte"
     with pytest.raises(ValueError, match="matches no module"):
         T.modules_to_save(Tied(), cfg.model)
+
+
+def test_adapter_of_a_gathered_state_dict_keeps_the_modules_to_save(data, qwen):
+    """FSDP's export gathers the state dict relative to the HF model (no hf_model. prefix): the adapter
+    built from it holds the same keys as from the model itself."""
+    cfg = _cfg(data, qwen, lora_rank=4, lora_modules_to_save="lm_head")
+    model = _model(cfg)
+    T.configure_trainable(model, cfg)
+    gathered = {k.removeprefix("hf_model."): v for k, v in model.state_dict().items()}
+    assert set(T.lora_state_dict(model, gathered)) == set(T.lora_state_dict(model))
+    assert "base_model.model.lm_head.weight" in T.lora_state_dict(model, gathered)

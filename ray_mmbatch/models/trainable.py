@@ -246,12 +246,14 @@ def lora_state_dict(model: nn.Module, state_dict: dict | None = None) -> dict[st
     bare = getattr(model, "module", model)
     sd = state_dict if state_dict is not None else bare.state_dict()
     prefix = "hf_model." if hasattr(bare, "hf_model") else ""
-    saved = _saved_prefixes(bare)  # --lora-modules-to-save: PEFT keeps them as <module>.weight
+    # --lora-modules-to-save: PEFT keeps them as <module>.weight (keys relative to the HF model: a
+    # gathered FSDP state dict comes without the prefix)
+    saved = tuple(p.removeprefix(prefix) for p in _saved_prefixes(bare))
     out = {}
     for k, v in sd.items():
+        k = k[len(prefix):] if k.startswith(prefix) else k
         if "lora_" not in k and not k.startswith(saved):
             continue
-        k = k[len(prefix):] if k.startswith(prefix) else k
         out["base_model.model." + k.replace(".default", "")] = v.detach().cpu().contiguous()
     return out
 
