@@ -150,6 +150,34 @@ def blend_report(sizes: list[int], weights: list[float], epochs: int, root: str,
     return out
 
 
+def blend_cost(rows: int = 200_000, capacity: int = 16_384, window: int = 2_048) -> dict:
+    """Rows/s of the plain and the stratified shuffle buffer, and BatchMix's time per window of
+    batches of 10 (three sources at 0.6 / 0.3 / 0.1; light rows as the plan stage holds them)."""
+    from ray_mmbatch.batching.shuffle import BatchMix
+    from ray_mmbatch.formats.sources import source_of
+
+    shares = {"a": 0.6, "b": 0.3, "c": 0.1}
+    items = [{S.SAMPLE_ID: f"{'abc'[i % 3]}:{i}"} for i in range(rows)]
+
+    def label(r):
+        return source_of(str(r[S.SAMPLE_ID]))
+
+    out = {}
+    for name, kw in (("plain", {}), ("stratified", {"shares": shares, "label": label})):
+        buf, t, n = ShuffleBuffer(capacity, 0, 0, **kw), time.perf_counter(), 0
+        for k in range(0, rows, window):
+            part = items[k:k + window]
+            n += len(buf.push(part, list(range(k, k + len(part)))))
+        n += len(buf.flush())
+        assert n == rows
+        out[f"{name}_rows_per_s"] = rows / (time.perf_counter() - t)
+    batches = [items[k:k + 10] for k in range(0, window, 10)]
+    t = time.perf_counter()
+    BatchMix(shares, label).order(batches)
+    out["batch_mix_ms_per_window"] = (time.perf_counter() - t) * 1e3
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--blend", default="", help="sizes of three sources, e.g. 300,300,300: the blend report instead")
@@ -179,6 +207,10 @@ def main(argv=None):
             for label in ("blend", "random"):
                 worst = max(g for r in rows for g in r[f"worst_gap_{label}_{parts}"].values())
                 print(f"worst over all seeds and epochs, {parts:>2} parts, {label:<6}: {worst:.3f}")
+        cost = blend_cost()
+        print(f"cost: plain buffer {cost['plain_rows_per_s'] / 1e3:.0f}k rows/s, stratified "
+              f"{cost['stratified_rows_per_s'] / 1e3:.0f}k rows/s, BatchMix "
+              f"{cost['batch_mix_ms_per_window']:.1f} ms per window of 2,048 rows")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return rows
