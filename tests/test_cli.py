@@ -124,6 +124,7 @@ def test_quiet_console_drops_ray_noise_and_keeps_the_rest():
                  "mem 2.0 GB", "00:30 elapsed", "eta 00:30"):
         assert part in line, (part, line)
     assert "(50.0% of data)" in progress_line({**m, "progress": 0.5}, 0, 30.0)
+    assert "eval" not in line and "loss 2.500  eval 2.750  lr" in progress_line({**m, "eval_loss": 2.75}, 20, 30.0)
 
 
 def test_progress_follows_the_metrics_file(tmp_path):
@@ -151,7 +152,8 @@ def test_progress_follows_the_metrics_file(tmp_path):
     table = format_summary({"steps": 10, "samples": 50, "skipped": {"missing_file": 2}, "skipped_total": 2,
                            "initial_loss": 9.0, "final_loss": 1.5, "checkpoint": "/x/ck"}, tmp_path)
     assert "missing_file 2" in table and str(tmp_path / "summary.json") in table and "/x/ck" in table
-    assert "could not be read" not in table
+    assert "could not be read" not in table and "eval loss" not in table
+    assert "eval loss    2.250 (held out, eval.jsonl)" in format_summary({"steps": 1, "eval_loss": 2.25}, tmp_path)
     summary = {"steps": 1, "skipped": {"unreadable_file": 3}, "skipped_total": 3, "skipped_files": 3}
     table = format_summary(summary, tmp_path)
     assert "3 could not be read" in table

@@ -97,6 +97,7 @@ def test_report_values_match_inputs(tmp_path):
     budget_trace = [t for t in figs["fig-tokens"]["data"] if t["name"] == "budget"][0]
     assert set(budget_trace["y"]) == {4096}
     assert figs["fig-loss"]["data"][0]["y"] == pytest.approx([m["loss"] for m in made["metrics"]])
+    assert len(figs["fig-loss"]["data"]) == 1 and "eval_loss" not in on_disk["table"]  # no held-out set
     skip_bar = figs["fig-skips"]["data"][0]
     assert dict(zip(skip_bar["x"], skip_bar["y"])) == on_disk["skipped"]["csv"]
 
@@ -184,3 +185,20 @@ def test_cli_writes_both_files(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "jobs" / "report.py"), str(tmp_path / "missing")],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 1 and "does not exist" in bad.stderr
+
+
+def test_eval_loss_is_plotted_beside_the_loss(tmp_path):
+    made = write_fake_run(tmp_path)
+    metrics = made["metrics"]
+    for k in (3, 7, len(metrics) - 1):  # reports that came with an evaluation (--eval-every)
+        metrics[k]["eval_loss"] = metrics[k]["loss"] + 0.25
+    (tmp_path / RunDir.METRICS).write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    summary = {**made["summary"], "eval_loss": metrics[-1]["eval_loss"]}
+    (tmp_path / RunDir.SUMMARY).write_text(json.dumps(summary))
+    report = json.loads(json.dumps(make_report(tmp_path), default=str))
+    on_disk = json.loads((tmp_path / RunDir.REPORT_JSON).read_text())
+    trace = [t for t in on_disk["figures"]["fig-loss"]["data"] if t["name"].startswith("eval_loss")]
+    assert len(trace) == 1
+    assert trace[0]["x"] == [metrics[k]["step"] for k in (3, 7, len(metrics) - 1)]
+    assert trace[0]["y"] == pytest.approx([metrics[k]["eval_loss"] for k in (3, 7, len(metrics) - 1)])
+    assert on_disk["table"]["eval_loss"] == pytest.approx(summary["eval_loss"]) and report

@@ -41,7 +41,8 @@ def done_share(m: dict[str, Any], max_steps: int) -> float | None:
 
 
 def progress_line(m: dict[str, Any], max_steps: int, elapsed: float, eta: float | None = None) -> str:
-    """One report as a line: step/total (or share of the data), loss, lr, tokens/s, fill, data wait, memory, time.
+    """One report as a line: step/total (or share of the data), loss (and the eval loss of a report that has
+    one), lr, tokens/s, fill, data wait, memory, time.
 
     ``eta``: seconds left (default: the elapsed time scaled by the share done)."""
     step = int(m.get("step", 0))
@@ -54,7 +55,8 @@ def progress_line(m: dict[str, Any], max_steps: int, elapsed: float, eta: float 
         eta = elapsed * (1 - done) / done
     mem = float(m.get("peak_mem_mb", 0.0))
     mem_s = f"{mem / 1024:.1f} GB" if mem >= 1024 else f"{mem:.0f} MB"
-    return (f"{where}  loss {float(m.get('loss', float('nan'))):.3f}  lr {float(m.get('lr', 0.0)):.2e}  "
+    ev = f"  eval {float(m['eval_loss']):.3f}" if m.get("eval_loss") is not None else ""  # --eval-split / -data
+    return (f"{where}  loss {float(m.get('loss', float('nan'))):.3f}{ev}  lr {float(m.get('lr', 0.0)):.2e}  "
             f"{_fmt_num(float(m.get('tokens_per_s', 0.0)))} tok/s  fill {100 * float(m.get('fill', 0.0)):.1f}%  "
             f"data wait {100 * min(1.0, float(m.get('data_wait_frac', 0.0))):.0f}%  mem {mem_s}  "
             f"{_fmt_time(elapsed)} elapsed, eta {_fmt_time(eta)}")
@@ -134,6 +136,8 @@ def format_summary(summary: dict[str, Any], out_dir: str | Path) -> str:
         *([("files", f"{summary['skipped_files']:,} could not be read (unreadable_file in the skip report)")]
           if summary.get("skipped_files") else []),
         ("loss", f"{_f(summary.get('initial_loss'))} -> {_f(summary.get('final_loss'))}"),
+        *([("eval loss", f"{_f(summary['eval_loss'])} (held out, {RunDir.EVAL})")]
+          if summary.get("eval_loss") is not None else []),
         ("tokens", f"{summary.get('real_tokens', 0):,} real, fill {100 * float(summary.get('fill') or 0):.1f}%"),
         ("speed", f"{float(summary.get('tokens_per_s') or 0):,.0f} real tokens/s"),
         ("wall", _fmt_time(summary.get("wall_s"))),

@@ -150,6 +150,7 @@ def summary_figures(summary: dict[str, Any], stats: dict[str, Any], skips: dict[
         ("batches over budget", stats.get("batches_over_budget")),
         ("tokens_per_s", summary.get("tokens_per_s")),
         ("loss initial -> final", f"{_fmt(summary.get('initial_loss'))} -> {_fmt(summary.get('final_loss'))}"),
+        *([("eval_loss", summary["eval_loss"])] if summary.get("eval_loss") is not None else []),
         ("skipped samples", skips["total"]), ("peak_mem_mb", max(peaks) if peaks else None),
         ("wall_s", summary.get("wall_s")),
     ])
@@ -193,6 +194,10 @@ def build_figures(run: dict[str, Any]) -> dict[str, Any]:
                                        name="budget", line={"color": "black", "dash": "dash"})
     steps = _col(metrics, "step")
     figs["fig-loss"].add_scatter(x=steps, y=_col(metrics, "loss"), mode="lines+markers", name="loss")
+    evals = [m for m in metrics if m.get("eval_loss") is not None]  # --eval-split / --eval-data
+    if evals:
+        figs["fig-loss"].add_scatter(x=_col(evals, "step"), y=_col(evals, "eval_loss"), mode="lines+markers",
+                                     name="eval_loss (held out)")
     for key in ("tokens_per_s", "padded_tokens_per_s"):
         figs["fig-throughput"].add_scatter(x=steps, y=_col(metrics, key), mode="lines+markers", name=key)
     figs["fig-throughput"].add_scatter(x=steps, y=_col(metrics, "samples_per_s"), mode="lines+markers",
