@@ -248,3 +248,24 @@ def test_adapter_of_a_gathered_state_dict_keeps_the_modules_to_save(data, qwen):
     gathered = {k.removeprefix("hf_model."): v for k, v in model.state_dict().items()}
     assert set(T.lora_state_dict(model, gathered)) == set(T.lora_state_dict(model))
     assert "base_model.model.lm_head.weight" in T.lora_state_dict(model, gathered)
+
+
+def test_lora_under_bf16_autocast_and_grad_accumulation(data, qwen):
+    """bf16 autocast (--precision bf16) with 2 micro-batches per step: only the adapters move, the loss
+    stays finite, the weights stay fp32 (the step's normalization itself: tests/test_step.py)."""
+    from ray_mmbatch.train.step import build_optimizer, optimizer_step
+
+    cfg = _cfg(data, qwen, lora_rank=4)
+    cfg.train.precision, cfg.train.lr, cfg.train.warmup_steps, cfg.train.grad_clip = "bf16", 5e-2, 0, 0.0
+    model = _model(cfg)
+    T.configure_trainable(model, cfg)
+    batches = _image_batches(cfg, 3)
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    lora_b = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    opt, sched = build_optimizer(model, cfg.train, 10)
+    out = optimizer_step(model, batches[:2], opt, sched, cfg.train, "cpu")
+    out = optimizer_step(model, [batches[2], batches[0]], opt, sched, cfg.train, "cpu")
+    assert torch.isfinite(torch.tensor(float(out["loss"])))
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+    assert all(not torch.equal(p, lora_b[n]) for n, p in model.named_parameters() if n in lora_b)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the weights stay fp32
