@@ -175,8 +175,14 @@ class ModelConfig:
     lora_dropout: float = flag("--lora-dropout", 0.0)
     """Dropout on the LoRA branch's input."""
     lora_targets: str = flag("--lora-targets", "language")
-    """Where LoRA goes: parts ('language', 'vision', 'projector', any subset) and/or module-name suffixes
-    ('q_proj,v_proj'); the LM head never."""
+    """Where LoRA goes: parts ('language', 'vision', 'projector', any subset; 'all' or 'all-linear' for all
+    three, as peft / ms-swift / LLaMA-Factory name it) and/or module-name suffixes ('q_proj,v_proj'); the LM
+    head never."""
+    lora_dora: bool = flag("--lora-dora", False)
+    """DoRA (peft use_dora; ms-swift --use_dora, LLaMA-Factory use_dora): weight-decomposed LoRA, a learned
+    magnitude per output feature beside the low-rank direction update."""
+    lora_rslora: bool = flag("--lora-rslora", False)
+    """rsLoRA (peft use_rslora): scale the update by alpha / sqrt(rank) instead of alpha / rank."""
     lora_modules_to_save: str = flag("--lora-modules-to-save", "")
     """Modules trained in full beside the adapters and saved in the adapter (peft's modules_to_save,
     ms-swift's --modules_to_save, LLaMA-Factory's additional_target), by name or last name part:

@@ -269,3 +269,44 @@ def test_lora_under_bf16_autocast_and_grad_accumulation(data, qwen):
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
     assert all(not torch.equal(p, lora_b[n]) for n, p in model.named_parameters() if n in lora_b)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # autocast: the weights stay fp32
+
+
+def test_dora_rslora_on_all_linear_layers_reload_and_merge(data, qwen, tmp_path):
+    """--lora-dora --lora-rslora --lora-targets all-linear: adapters on the vision tower too, DoRA's
+    magnitudes train, and the exported adapter (PeftModel, merged), load_adapter and the in-place merge
+    all give the trained logits."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    cfg = _cfg(data, qwen, lora_rank=4, lora_alpha=8.0, lora_dora=True, lora_rslora=True,
+               lora_targets="all-linear")
+    model = _model(cfg)
+    T.configure_trainable(model, cfg)
+    trains = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert any(".visual." in n for n in trains) and any("lora_magnitude_vector" in n for n in trains)
+    both = _model(_cfg(data, qwen, lora_rank=4, lora_targets="vision,projector,language"))
+    T.configure_trainable(both, _cfg(data, qwen, lora_rank=4, lora_targets="vision,projector,language"))
+    assert {n for n in trains if "magnitude" not in n} == {n for n, p in both.named_parameters() if p.requires_grad}
+    assert model.lora_config.use_rslora and model.lora_config.use_dora
+    batches = _image_batches(cfg)
+    _train(model, cfg, batches, lr=5e-2)
+    model.eval()
+    with torch.no_grad():
+        want = model(batches[0])
+        start = _model(_cfg(data, qwen)).eval()(batches[0])
+    assert (want - start).abs().max() > 1e-3
+    scale = float(want.abs().max())
+
+    d = T.export_adapter(model, tmp_path / "adapter", qwen)
+    assert any("lora_magnitude_vector" in k for k in load_file(str(d / "adapter_model.safetensors")))
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen), str(d))
+    fresh = _model(_cfg(data, qwen)).eval()
+    fresh.hf_model.load_state_dict(peft_model.merge_and_unload().state_dict())
+    reloaded = _model(_cfg(data, qwen)).eval()
+    T.load_adapter(reloaded, d)
+    with torch.no_grad():
+        assert float((fresh(batches[0]) - want).abs().max()) <= 1e-5 * scale
+        assert float((reloaded(batches[0]) - want).abs().max()) <= 1e-5 * scale
+        T.merge_lora(model)
+        assert float((model(batches[0]) - want).abs().max()) <= 1e-5 * scale

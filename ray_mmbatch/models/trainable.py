@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 PARTS = ("vision", "projector", "language")
+ALL_LINEAR = ("all", "all-linear")  # --lora-targets: every part (peft's / ms-swift's all-linear, LLaMA-Factory's all)
 LORA_FILE = "adapter_model.safetensors"
 # HF attribute paths (on the ForConditionalGeneration) of each part, first match wins per path
 _HF_VISION = ("model.vision_tower", "model.visual", "model.vision_model", "vision_tower", "visual", "vision_model")
@@ -108,6 +109,7 @@ def _lora_config(cfg_model, model: nn.Module):
 
     groups = part_parameters(model)
     words = [w.strip() for w in str(cfg_model.lora_targets or "language").split(",") if w.strip()]
+    words = [p for w in words for p in (PARTS if w in ALL_LINEAR else (w,))]
     parts = [w for w in words if w in PARTS]
     suffixes = [w for w in words if w not in PARTS]
     bare = getattr(model, "module", model)
@@ -122,7 +124,8 @@ def _lora_config(cfg_model, model: nn.Module):
         raise ValueError(f"--lora-targets {cfg_model.lora_targets!r} matches no nn.Linear layer of the model")
     return LoraConfig(r=int(cfg_model.lora_rank), lora_alpha=float(cfg_model.lora_alpha),
                       lora_dropout=float(cfg_model.lora_dropout), target_modules=targets, bias="none",
-                      modules_to_save=saved or None), root
+                      modules_to_save=saved or None, use_dora=bool(getattr(cfg_model, "lora_dora", False)),
+                      use_rslora=bool(getattr(cfg_model, "lora_rslora", False))), root
 
 
 def modules_to_save(root: nn.Module, cfg_model) -> list[str]:
