@@ -239,3 +239,25 @@ def test_blend_resumes_exactly_through_ray(ray_cluster, equal_three):
         done.add(0, np.asarray(r[S.BATCH_POSITIONS]), np.asarray(r[S.BATCH_POSITION_UNIT_ROWS]))
     rest = ids(rows(done.state_dict()))
     assert sorted(ids(half) + rest) == sorted(full)  # the same copies, none twice, none lost
+
+
+def test_eval_split_over_a_blend_holds_out_samples_with_all_their_copies(equal_three):
+    """--eval-split on a blend: a sample's copies (id~k) fall on its side of the split, so no copy of a
+    held-out sample trains, and the held-out set is read once per sample, without the blend's weights
+    (the down-sampled source's held-out samples are all there)."""
+    from ray_mmbatch.data.split import held_out
+
+    cfg = _blend(equal_three)
+    cfg.data.eval_split = 0.3
+    plain = _blend(equal_three)
+    for e in plain.data.sources:
+        del e["weight"]
+    every = [str(s) for b in local_batches(plain) for s in b["sample_ids"]]
+    assert len(every) == len(set(every)) == 300
+    want = {s for s, h in zip(every, held_out(every, 0.3)) if h}
+    evals = [str(s) for b in local_batches(cfg, split="eval") for s in b["sample_ids"]]
+    assert sorted(evals) == sorted(want) and not any("~" in s for s in evals)
+    assert {source_of(s) for s in evals} == {"parquet", "webdataset", "llava"}
+    trained = {_base(str(s)) for e in (0, 1) for b in local_batches(cfg, epoch=e) for s in b["sample_ids"]}
+    assert trained and not trained & want  # no copy of a held-out sample trains
+    assert trained | want <= set(every)

@@ -3,11 +3,14 @@
 A hash, not a draw: the split is the same in every run, resume and epoch, on every worker,
 whatever the read order or the shuffle, and a sample id that is held out is never trained
 (the training read drops it, the evaluation read keeps only such rows). Rows that stand for a
-file that could not be read (``read_error`` set) stay with training, which reports them.
+file that could not be read (``read_error`` set) stay with training, which reports them. Over a
+blend by weight, a sample's copies (``id~k``) share its side, and the held-out side is read
+once per sample, without the blend's weights (they shape training epochs, not the eval mean).
 """
 from __future__ import annotations
 
 import hashlib
+import re
 
 import numpy as np
 
@@ -15,9 +18,14 @@ SPLITS = ("train", "eval")
 _SALT = b"ray_mmbatch/eval-split/v1"
 
 
+_COPY = re.compile(r"~\d+$")  # a blend's extra copy of a sample: id~k (formats/sources.py)
+
+
 def held_out_score(sample_id: str) -> float:
-    """A uniform number in [0, 1) from the id alone (blake2b)."""
-    h = hashlib.blake2b(str(sample_id).encode("utf-8", "surrogatepass"), digest_size=8, key=_SALT)
+    """A uniform number in [0, 1) from the id alone (blake2b); a blend's copies (``id~k``) score as
+    their sample, so every copy of a sample falls on the same side of the split."""
+    base = _COPY.sub("", str(sample_id))
+    h = hashlib.blake2b(base.encode("utf-8", "surrogatepass"), digest_size=8, key=_SALT)
     return int.from_bytes(h.digest(), "little") / 2.0**64
 
 
@@ -59,4 +67,8 @@ def eval_source(cfg):
         ev.data.path, ev.data.eval_data, ev.data.eval_split = cfg.data.eval_data, "", 0.0
         ev.data.sources = []
         return ev, None
+    if ev.data.sources:  # a blend's weights shape training epochs; the held-out set is read once, whole
+        ev.data.sources = [{k: v for k, v in e.items() if k != "weight"} if isinstance(e, dict) else e
+                           for e in ev.data.sources]
+        ev.data.epoch_samples = 0
     return ev, ("eval", float(cfg.data.eval_split))
