@@ -154,6 +154,9 @@ def test_progress_follows_the_metrics_file(tmp_path):
     assert "missing_file 2" in table and str(tmp_path / "summary.json") in table and "/x/ck" in table
     assert "could not be read" not in table and "eval loss" not in table
     assert "eval loss    2.250 (held out, eval.jsonl)" in format_summary({"steps": 1, "eval_loss": 2.25}, tmp_path)
+    assert "adapter" not in table
+    (tmp_path / "adapter").mkdir()  # a LoRA run's export
+    assert f"adapter      {tmp_path / 'adapter'}" in format_summary({"steps": 1}, tmp_path)
     summary = {"steps": 1, "skipped": {"unreadable_file": 3}, "skipped_total": 3, "skipped_files": 3}
     table = format_summary(summary, tmp_path)
     assert "3 could not be read" in table

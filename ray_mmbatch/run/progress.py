@@ -147,8 +147,10 @@ def format_summary(summary: dict[str, Any], out_dir: str | Path) -> str:
     ]
     if summary.get("checkpoint"):
         rows.append(("checkpoint", str(summary["checkpoint"])))
-    if (out / "model").exists():
-        rows.append(("model", str(out / "model")))
+    if (out / RunDir.EXPORT).exists():
+        rows.append(("model", str(out / RunDir.EXPORT)))
+    if (out / RunDir.ADAPTER).exists():  # a LoRA run: the PEFT adapter (PeftModel.from_pretrained(base, it))
+        rows.append(("adapter", str(out / RunDir.ADAPTER)))
     rows.append(("report", f"ray-mmbatch report {out}"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
