@@ -246,7 +246,8 @@ class Runner:
                 "real_tokens": int(b["real_tokens"]), "padded_tokens": m.padded_tokens,
                 "target_tokens": int(b["target_tokens"]), "n_samples": len(b["sample_ids"]),
                 "n_images": int(len(b["image_grid_thw"])), "patches": int(len(b["patches"])),
-                "budget_tokens": int(self.cfg.budget.max_tokens)})
+                "budget_tokens": int(self.cfg.budget.max_tokens),
+                **({"sources": _per_source(b["sample_ids"])} if self.cfg.data.sources else {})})
             self.files.append("ledger", {"step": self.step, "epoch": m.epoch, "batch_id": m.batch_id,
                                          "sample_ids": [str(s) for s in b["sample_ids"]]})
         w = self.window
@@ -386,3 +387,12 @@ def _export(backend, model, cfg: Config, full: dict | None) -> None:
     trainable.export_adapter(model, out / RunDir.ADAPTER, cfg.model.path, full)
     if cfg.model.merge_lora:
         backend.export(trainable.merge_lora(model), cfg, out / RunDir.EXPORT, None)
+
+
+def _per_source(sample_ids) -> dict[str, int]:
+    """Samples of a batch per source name (several datasets: formats/sources.py)."""
+    from collections import Counter
+
+    from ray_mmbatch.formats.sources import source_of
+
+    return dict(Counter(source_of(str(s)) for s in sample_ids))

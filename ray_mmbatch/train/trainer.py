@@ -281,16 +281,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "trainable_params": m.get("trainable_params"),
         "total_params": m.get("total_params"),
     }
-    if cfg.data.sources:  # several datasets: the skips of each (formats/sources.py)
-        from ray_mmbatch.formats.sources import by_source, data_sources
-
-        with open(out / RunDir.SKIPPED) as f:
-            rows = list(csv.DictReader(f))
-        counts = by_source([r["sample_id"] for r in rows], [r["reason"] for r in rows])
-        summary["sources"] = {s.name: {"weight": s.weight, "skipped": counts.get(s.name, {}).get("skipped", 0),
-                                       "skipped_by_reason": {k: v for k, v in counts.get(s.name, {}).items()
-                                                             if k not in ("samples", "skipped")}}
-                              for s in data_sources(cfg.data)}
+    if cfg.data.sources:  # several datasets: what each trained and skipped (formats/sources.py)
+        summary["sources"] = source_summary(cfg, out)
     if stopped.exists():  # the skip guard stopped the run (train/loop.py)
         summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))
     (out / RunDir.SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
@@ -311,3 +303,27 @@ def _explain_stop(cfg: Config, out: Path, stop: dict[str, int]) -> str:
 def _final_loss(out: Path) -> float | None:
     rows = read_jsonl(out / RunDir.METRICS)
     return rows[-1]["loss"] if rows else None
+
+
+def source_summary(cfg: Config, out: Path) -> dict[str, dict[str, Any]]:
+    """``summary.json`` ``sources`` of a multi-source run, per source name: its weight, the samples it
+    trained (the batch records' per-source counts) and their share of all trained, and its skips
+    (skipped.csv) in all and by reason."""
+    from ray_mmbatch.formats.sources import by_source, data_sources
+
+    rows = []
+    if (out / RunDir.SKIPPED).exists():
+        with open(out / RunDir.SKIPPED) as f:
+            rows = list(csv.DictReader(f))
+    counts = by_source([r["sample_id"] for r in rows], [r["reason"] for r in rows])
+    trained: dict[str, int] = {}  # from the batch records, trimmed on a restore as the rest of the run dir
+    for rec in read_jsonl(out / RunDir.BATCHES) if (out / RunDir.BATCHES).exists() else []:
+        for name, n in (rec.get("sources") or {}).items():
+            trained[name] = trained.get(name, 0) + int(n)
+    total = sum(trained.values())
+    return {s.name: {"weight": s.weight, "trained": trained.get(s.name, 0),
+                     "trained_share": trained.get(s.name, 0) / total if total else None,
+                     "skipped": counts.get(s.name, {}).get("skipped", 0),
+                     "skipped_by_reason": {k: v for k, v in counts.get(s.name, {}).items()
+                                           if k not in ("samples", "skipped")}}
+            for s in data_sources(cfg.data)}
