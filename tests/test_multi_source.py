@@ -133,6 +133,12 @@ def test_through_ray_every_sample_once_and_inspect_per_source(ray_cluster, tmp_p
     report = inspect_dataset(cfg)["sources"]
     assert report["good"]["skipped"] == 0 and report["good"]["samples"] == 30
     assert report["bad"]["skipped"] == len(skipped) and report["bad"]["samples"] == len(bad["ids"])
+    cfg.data.sources[0]["weight"], cfg.data.sources[1]["weight"] = 0.2, 0.8  # a blend: every sample once still,
+    blend = inspect_dataset(cfg)["sources"]  # and what each epoch draws from each source beside it
+    assert blend["good"]["samples"] == 30 and blend["bad"]["samples"] == len(bad["ids"])
+    total = 30 + len(bad["ids"])
+    assert blend["bad"]["epoch_samples"] == round(0.2 * total) and blend["good"]["weight"] == 0.8
+    assert blend["bad"]["epoch_samples"] + blend["good"]["epoch_samples"] == total
 
 
 # ------------------------------------------------------------------ blend by weight

@@ -68,7 +68,7 @@ def eval_source(cfg):
         ev.data.sources = []
         return ev, None
     if ev.data.sources:  # a blend's weights shape training epochs; the held-out set is read once, whole
-        ev.data.sources = [{k: v for k, v in e.items() if k != "weight"} if isinstance(e, dict) else e
-                           for e in ev.data.sources]
-        ev.data.epoch_samples = 0
+        from ray_mmbatch.formats.sources import without_weights
+
+        ev.data = without_weights(ev.data)
     return ev, ("eval", float(cfg.data.eval_split))

@@ -120,7 +120,12 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
     # batch_size=None: one call per read block. Ray fuses the read into this actor stage and,
     # given a row count, would bundle read units (row groups) until it has that many ROWS OF
     # UNITS - for Parquet that packed every row group into one task on one actor.
-    ds = read_raw(cfg.data.path, cfg.data).map_batches(
+    data = cfg.data
+    if data.sources:  # every sample of every source once, not a blend's epoch (formats/sources.py)
+        from ray_mmbatch.formats.sources import without_weights
+
+        data = without_weights(data)
+    ds = read_raw(data.path, data).map_batches(
         InspectStage, batch_size=None, batch_format="pyarrow",
         fn_constructor_args=(cfg.image, cfg.text, cfg.data.measure_batch),
         compute=ray.data.ActorPoolStrategy(min_size=workers, max_size=workers), **stage_args(cfg))
@@ -152,6 +157,7 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
 
         per_source = by_source([str(s) for s in cols.get(S.SAMPLE_ID, [])],
                                [S.parse_skip(r)[0] if r else "" for r in reasons])
+        per_source = _blend_plan(cfg, per_source)
     return {
         **({"sources": per_source} if per_source else {}),
         "samples_read": n, "samples_ok": int(ok.sum()), "samples_skipped": int(n - ok.sum()),
@@ -164,3 +170,17 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
         "wall_s": wall, "samples_per_s": n / wall if wall else 0.0,
         "image_mb_per_s": nbytes / 2**20 / wall if wall else 0.0,
     }
+
+
+def _blend_plan(cfg: Config, per_source: dict[str, dict]) -> dict[str, dict]:
+    """A blend's weight and the samples each epoch draws from every source, beside what it holds."""
+    from ray_mmbatch.formats.sources import blended, data_sources
+    from ray_mmbatch.formats.units import read_units
+
+    if not blended(cfg.data):
+        return per_source
+    plan = read_units(cfg.data.path, cfg.data)[2]["blend"]
+    for src, target in zip(data_sources(cfg.data), plan.targets):
+        per_source.setdefault(src.name, {"samples": 0, "skipped": 0}).update(weight=src.weight,
+                                                                            epoch_samples=int(target))
+    return per_source

@@ -47,6 +47,16 @@ def blended(data_cfg) -> bool:
     return bool(given) and all(given)
 
 
+def without_weights(data_cfg):
+    """A copy of ``data_cfg`` that reads every sample of every source once (no blend): what the
+    held-out set and ``inspect`` read, whatever shares training epochs draw."""
+    out = copy.deepcopy(data_cfg)
+    out.sources = [{k: v for k, v in e.items() if k != "weight"} if isinstance(e, dict) else e
+                   for e in out.sources]
+    out.epoch_samples = 0
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Source:
     name: str
