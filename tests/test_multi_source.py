@@ -294,3 +294,20 @@ def test_summary_per_source_counts_trained_and_skipped(tmp_path):
                            "skipped_by_reason": {"oversize": 1}}
     assert out["ocr"]["trained"] == 2 and out["ocr"]["skipped"] == 2
     assert out["ocr"]["skipped_by_reason"] == {"corrupt_image": 1, "missing_file": 1}
+
+
+def test_epoch_samples_without_weights_is_refused_not_ignored(three):
+    root, _ = three
+    cfg = Config()
+    cfg.data.path, cfg.data.epoch_samples = str(root / "parquet"), 50  # one dataset, no blend
+    with pytest.raises(ValueError, match="--epoch-samples 50: the size of a blended epoch"):
+        read_units(cfg.data.path, cfg.data)
+    cfg.data.path, cfg.data.sources = "", [{"path": str(root / "parquet")}, {"path": str(root / "webdataset")}]
+    with pytest.raises(ValueError, match="needs sources with weights"):
+        read_units("", cfg.data)
+    cfg.data.sources = [{"path": str(root / f), "weight": 1.0} for f in ("parquet", "webdataset")]
+    cfg.data.epoch_samples = -1
+    with pytest.raises(ValueError, match="count > 0"):
+        read_units("", cfg.data)
+    cfg.data.epoch_samples = 50
+    assert sum(read_units("", cfg.data)[2]["blend"].targets) == 50

@@ -46,8 +46,14 @@ def read_units(path: str, data_cfg: DataConfig):
     With ``data_cfg.sources`` (formats/sources.py) ``path`` is not read: the units of every
     source, one after the other, each tagged with its source's index.
     """
+    from ray_mmbatch.formats.sources import blended
+
+    if int(data_cfg.epoch_samples or 0) < 0 or (data_cfg.epoch_samples and not blended(data_cfg)):
+        raise ValueError(f"--epoch-samples {data_cfg.epoch_samples}: the size of a blended epoch, so it needs "
+                         "sources with weights (--data PATH#WEIGHT repeated, or weight: in data.sources) and a "
+                         "count > 0; without weights every epoch reads each sample once")
     if data_cfg.sources:
-        from ray_mmbatch.formats.sources import SOURCE, BlendPlan, blended, data_sources
+        from ray_mmbatch.formats.sources import SOURCE, BlendPlan, data_sources
 
         sources, blend = data_sources(data_cfg), blended(data_cfg)
         units, specs, rows = [], [], []
