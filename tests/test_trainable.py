@@ -51,6 +51,24 @@ def _train(model, cfg: Config, batches: list[dict], lr: float = 1e-2) -> None:
         optimizer_step(model, [b], opt, sched, cfg.train, "cpu")
 
 
+def _reloads_to(adapter_dir, data: str, qwen: str, batch: dict, want: torch.Tensor):
+    """The exported adapter on a fresh base gives ``want`` (within 1e-5 of its scale) both ways: PEFT's
+    PeftModel.from_pretrained merged, and trainable.load_adapter; returns the load_adapter model."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    scale = float(want.abs().max())
+    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen), str(adapter_dir))
+    fresh = _model(_cfg(data, qwen)).eval()
+    fresh.hf_model.load_state_dict(peft_model.merge_and_unload().state_dict())
+    reloaded = _model(_cfg(data, qwen)).eval()
+    T.load_adapter(reloaded, adapter_dir)
+    with torch.no_grad():
+        assert float((fresh(batch) - want).abs().max()) <= 1e-5 * scale
+        assert float((reloaded(batch) - want).abs().max()) <= 1e-5 * scale
+    return reloaded
+
+
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
     from tests.hf_checkpoints import make_qwen_checkpoint
@@ -181,9 +199,7 @@ def test_lora_modules_to_save_train_in_full_and_travel_in_the_adapter(data, qwen
     """--lora-modules-to-save lm_head (peft's modules_to_save): the head trains in full beside the adapters,
     the embeddings stay frozen, the exported adapter carries the head and reloads through PeftModel and
     load_adapter to the trained logits; not asked, the adapter holds LoRA weights only."""
-    from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText
 
     cfg = _cfg(data, qwen, lora_rank=4, lora_alpha=8.0, lora_modules_to_save="lm_head")
     model = _model(cfg)
@@ -199,19 +215,11 @@ def test_lora_modules_to_save_train_in_full_and_travel_in_the_adapter(data, qwen
     model.eval()
     with torch.no_grad():
         want = model(batches[0])
-    scale = float(want.abs().max())
 
     d = T.export_adapter(model, tmp_path / "adapter", qwen)
     keys = set(load_file(str(d / "adapter_model.safetensors")))
     assert "base_model.model.lm_head.weight" in keys and all("lora_" in k or "lm_head" in k for k in keys)
-    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen), str(d))
-    fresh = _model(_cfg(data, qwen)).eval()
-    fresh.hf_model.load_state_dict(peft_model.merge_and_unload().state_dict())
-    reloaded = _model(_cfg(data, qwen)).eval()
-    T.load_adapter(reloaded, d)
-    with torch.no_grad():
-        assert float((fresh(batches[0]) - want).abs().max()) <= 1e-5 * scale
-        assert float((reloaded(batches[0]) - want).abs().max()) <= 1e-5 * scale
+    reloaded = _reloads_to(d, data, qwen, batches[0], want)
     assert {n for n, p in reloaded.named_parameters() if p.requires_grad} == trains
 
     plain = _model(_cfg(data, qwen, lora_rank=4))
@@ -275,9 +283,7 @@ def test_dora_rslora_on_all_linear_layers_reload_and_merge(data, qwen, tmp_path)
     """--lora-dora --lora-rslora --lora-targets all-linear: adapters on the vision tower too, DoRA's
     magnitudes train, and the exported adapter (PeftModel, merged), load_adapter and the in-place merge
     all give the trained logits."""
-    from peft import PeftModel
     from safetensors.torch import load_file
-    from transformers import AutoModelForImageTextToText
 
     cfg = _cfg(data, qwen, lora_rank=4, lora_alpha=8.0, lora_dora=True, lora_rslora=True,
                lora_targets="all-linear")
@@ -300,13 +306,7 @@ def test_dora_rslora_on_all_linear_layers_reload_and_merge(data, qwen, tmp_path)
 
     d = T.export_adapter(model, tmp_path / "adapter", qwen)
     assert any("lora_magnitude_vector" in k for k in load_file(str(d / "adapter_model.safetensors")))
-    peft_model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen), str(d))
-    fresh = _model(_cfg(data, qwen)).eval()
-    fresh.hf_model.load_state_dict(peft_model.merge_and_unload().state_dict())
-    reloaded = _model(_cfg(data, qwen)).eval()
-    T.load_adapter(reloaded, d)
+    _reloads_to(d, data, qwen, batches[0], want)
     with torch.no_grad():
-        assert float((fresh(batches[0]) - want).abs().max()) <= 1e-5 * scale
-        assert float((reloaded(batches[0]) - want).abs().max()) <= 1e-5 * scale
         T.merge_lora(model)
         assert float((model(batches[0]) - want).abs().max()) <= 1e-5 * scale
