@@ -269,13 +269,9 @@ def test_eval_split_over_a_blend_holds_out_samples_with_all_their_copies(equal_t
     assert trained | want <= set(every)
 
 
-def test_summary_per_source_counts_trained_and_skipped(tmp_path):
+def test_summary_per_source_counts_trained_and_skipped():
     """summary.json ``sources``: each source's trained samples (from the batch records the loop writes,
-    one count per source per batch) and skips (skipped.csv), by the source names."""
-    import csv
-    import json
-
-    from ray_mmbatch.run.rundir import RunDir
+    one count per source per batch) and skips (as skipped.csv holds them), by the source names."""
     from ray_mmbatch.train.loop import _per_source
     from ray_mmbatch.train.trainer import source_summary
 
@@ -284,12 +280,8 @@ def test_summary_per_source_counts_trained_and_skipped(tmp_path):
     batches = [["caps:1", "caps:2~1", "ocr:7"], ["caps:3"], ["ocr:8", "caps:2"]]
     recs = [{"step": k + 1, "n_samples": len(b), "sources": _per_source(b)} for k, b in enumerate(batches)]
     assert recs[0]["sources"] == {"caps": 2, "ocr": 1}
-    (tmp_path / RunDir.BATCHES).write_text("".join(json.dumps(r) + "\n" for r in recs))
-    with open(tmp_path / RunDir.SKIPPED, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["sample_id", "reason", "detail"])
-        w.writerows([["ocr:9", "corrupt_image", "x"], ["ocr:10", "missing_file", "y"], ["caps:4", "oversize", "z"]])
-    out = source_summary(cfg, tmp_path)
+    skipped = {"ocr:9": ("corrupt_image", "x"), "ocr:10": ("missing_file", "y"), "caps:4": ("oversize", "z")}
+    out = source_summary(cfg, recs, skipped)
     assert out["caps"] == {"weight": 0.75, "trained": 4, "trained_share": pytest.approx(4 / 6), "skipped": 1,
                            "skipped_by_reason": {"oversize": 1}}
     assert out["ocr"]["trained"] == 2 and out["ocr"]["skipped"] == 2

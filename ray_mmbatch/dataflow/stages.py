@@ -272,7 +272,6 @@ class CarryPlanStage:
             groups += self._mixed(self.planner.flush(seed=window_seed(self.seed, self.epoch, "end")))
         return _plan_output(groups, skipped, self.epoch, window_key)
 
-
     def _mixed(self, groups: list[list[dict]]) -> list[list[dict]]:
         """One window's batches, in the blend's order (BatchMix) when there is one (per window, so
         the order does not depend on how Ray cuts the stream into calls)."""

@@ -121,13 +121,18 @@ def frozen_fingerprint(model: torch.nn.Module) -> dict[str, float]:
 
 
 def with_weights_record(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` plus, when parameters are frozen, what the model file holds (``weights``); every rank calls it."""
-    frozen = frozen_keys(model)
-    if not frozen:
-        return state
-    saved = len(model.state_dict()) - len(frozen)
-    return {**state, WEIGHTS: {"saved": "trainable", "keys": saved, "frozen_keys": len(frozen),
-                               "frozen": frozen_fingerprint(model)}}
+    """``state`` plus, when parameters are frozen, what the model file holds (``weights``); every rank calls it.
+
+    The record is the same at every checkpoint of a run (the frozen weights never change), so it is
+    made at the first one (every rank at once: the fingerprint is a collective under FSDP) and kept
+    on the model, not recomputed over all frozen weights at every save."""
+    record = getattr(model, "_ray_mmbatch_weights_record", None)
+    if record is None:
+        frozen = frozen_keys(model)
+        record = {} if not frozen else {"saved": "trainable", "keys": len(model.state_dict()) - len(frozen),
+                                        "frozen_keys": len(frozen), "frozen": frozen_fingerprint(model)}
+        model._ray_mmbatch_weights_record = record
+    return {**state, WEIGHTS: record} if record else state
 
 
 def check_saved_keys(saved: set[str], model_keys: set[str], frozen: set[str], where) -> bool:

@@ -389,10 +389,9 @@ def _export(backend, model, cfg: Config, full: dict | None) -> None:
         backend.export(trainable.merge_lora(model), cfg, out / RunDir.EXPORT, None)
 
 
+
 def _per_source(sample_ids) -> dict[str, int]:
-    """Samples of a batch per source name (several datasets: formats/sources.py)."""
-    from collections import Counter
+    """Samples of a batch per source name (several datasets: formats/sources.by_source)."""
+    from ray_mmbatch.formats.sources import by_source
 
-    from ray_mmbatch.formats.sources import source_of
-
-    return dict(Counter(source_of(str(s)) for s in sample_ids))
+    return {name: rec["samples"] for name, rec in by_source([str(s) for s in sample_ids]).items()}

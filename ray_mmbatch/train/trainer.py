@@ -95,8 +95,9 @@ def tokenizer_ids(cfg: Config) -> dict[str, int]:
     return token_ids(configure(cfg))
 
 
-def _finish_logs(out: Path) -> dict[str, int]:
-    """batches.jsonl in (step, rank) order; skipped.jsonl -> skipped.csv (deduplicated by id)."""
+def _finish_logs(out: Path) -> tuple[dict[str, int], list[dict], dict[str, tuple[str, str]]]:
+    """batches.jsonl in (step, rank) order; skipped.jsonl -> skipped.csv (deduplicated by id).
+    Returns (skips per reason, the batch records, {skipped id: (reason, detail)})."""
     lines = read_jsonl(out / RunDir.BATCHES)
     lines.sort(key=lambda r: (r["step"], r["rank"]))
     write_jsonl(out / RunDir.BATCHES, lines)
@@ -109,7 +110,7 @@ def _finish_logs(out: Path) -> dict[str, int]:
             reason, detail = skipped[sid]
             w.writerow([sid, reason, detail])
             counts[reason] = counts.get(reason, 0) + 1
-    return counts
+    return counts, lines, skipped
 
 
 def planned_samples(cfg: Config) -> int:
@@ -259,7 +260,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
           f"({'auto' if sizes.auto else '--preprocess-workers'})", flush=True)
     result = fit(cfg)
     out = Path(cfg.train.output_dir)
-    skipped = _finish_logs(out)
+    skipped, batch_records, skipped_ids = _finish_logs(out)
     m = result.metrics or {}
     summary = {
         "steps": int(m.get("step", 0)),
@@ -282,7 +283,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "total_params": m.get("total_params"),
     }
     if cfg.data.sources:  # several datasets: what each trained and skipped (formats/sources.py)
-        summary["sources"] = source_summary(cfg, out)
+        summary["sources"] = source_summary(cfg, batch_records, skipped_ids)
     if stopped.exists():  # the skip guard stopped the run (train/loop.py)
         summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))
     (out / RunDir.SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
@@ -305,19 +306,16 @@ def _final_loss(out: Path) -> float | None:
     return rows[-1]["loss"] if rows else None
 
 
-def source_summary(cfg: Config, out: Path) -> dict[str, dict[str, Any]]:
+def source_summary(cfg: Config, batches: list[dict], skipped: dict[str, tuple[str, str]]) -> dict[str, dict[str, Any]]:
     """``summary.json`` ``sources`` of a multi-source run, per source name: its weight, the samples it
     trained (the batch records' per-source counts) and their share of all trained, and its skips
-    (skipped.csv) in all and by reason."""
+    (``skipped``: {sample id: (reason, detail)}, as skipped.csv holds them) in all and by reason."""
     from ray_mmbatch.formats.sources import by_source, data_sources
 
-    rows = []
-    if (out / RunDir.SKIPPED).exists():
-        with open(out / RunDir.SKIPPED) as f:
-            rows = list(csv.DictReader(f))
-    counts = by_source([r["sample_id"] for r in rows], [r["reason"] for r in rows])
+    ids = list(skipped)
+    counts = by_source(ids, [skipped[i][0] for i in ids])
     trained: dict[str, int] = {}  # from the batch records, trimmed on a restore as the rest of the run dir
-    for rec in read_jsonl(out / RunDir.BATCHES) if (out / RunDir.BATCHES).exists() else []:
+    for rec in batches:
         for name, n in (rec.get("sources") or {}).items():
             trained[name] = trained.get(name, 0) + int(n)
     total = sum(trained.values())
