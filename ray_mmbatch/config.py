@@ -278,9 +278,26 @@ class DataConfig:
     image_root: str = flag("--image-root", "")
     """LLaVA format: image folder, a local path or a URI (default: the JSON file's folder)."""
     image_column: str = flag("--image-column", "images")
-    """Parquet: column with image structs {bytes, path} (or a list of them)."""
+    """Parquet / Arrow: column with image structs {bytes, path} (or a list of them); with the default, a column
+    named ``image`` (one nullable struct per row, LLaVA-OneVision) is taken when there is no ``images``;
+    '' = no images (formats/layouts.py)."""
     text_column: str = flag("--text-column", "conversations")
-    """Parquet: conversation column (list of {from, value}) or a plain text column."""
+    """Parquet / Arrow: the dialogue column; its layout is told from its type: list<{from, value}> (LLaVA),
+    list<{role, content}> (HF messages), list<{user, assistant}> (The Cauldron ``texts``), struct<question: list,
+    answer: list> (PixMo-Docs ``questions``) or a string (a caption). With the default, the first of
+    conversations, messages, texts, questions, caption, txt, text that the schema holds (formats/layouts.py)."""
+    caption_prompt: str = flag("--caption-prompt", "")
+    """Caption layouts (a caption / txt column, img2dataset ``KEY.txt``): the user turn's text after the image
+    ('' = the image alone); the caption is the answer."""
+    split: str = flag("--split", "train")
+    """Which split of a folder laid out as the HF Hub lays splits out (``{split}-00000-of-00002.parquet``,
+    ``data/{split}-*``, a ``{split}/`` folder, a save_to_disk DatasetDict) is read; files of other splits are
+    never read. ``--data PATH#split=NAME`` / ``--eval-data PATH#split=validation`` pick one per dataset
+    (formats/splits.py)."""
+    filter: str = flag("--filter", "")
+    """Keep only rows whose scalar columns pass this, e.g. "relevance_min >= 4" or "source == 'ai2d' and
+    formatting_min >= 3" (==, !=, <, <=, >, >=, in [...]; clauses joined by 'and'). Parquet / Arrow; filtered
+    rows are counted per source as filtered (not skipped) and never decoded (formats/filters.py)."""
     id_column: str = flag("--id-column", "id")
     """Parquet: sample id column (missing = derived from file and row)."""
     demo_samples: int = flag("--demo-samples", 600)

@@ -94,8 +94,10 @@ def test_parquet_custom_columns_without_id_uses_file_and_row(ray_cluster, tmp_pa
     assert len(read_raw(str(tmp_path / "part-1.parquet"), cfg).take_all()) == 5
     assert [r[schema.IMAGES] for r in rows[:3]] == [[], [bytes([0, 1])], []]
     assert json.loads(rows[7][schema.CONVERSATIONS]) == [{"from": "gpt", "value": "file 1 row 2"}]
+    auto = read_raw(str(tmp_path), DataConfig()).take_all()  # the caption column found by its name
+    assert len(auto) == 10 and all(r[schema.IMAGES] == [] for r in auto)  # "picture" is not an image column name
     with pytest.raises(ValueError, match="text column"):
-        read_raw(str(tmp_path), DataConfig())
+        read_raw(str(tmp_path), DataConfig(text_column="note"))
 
 
 @pytest.mark.parametrize("key", ["parquet", "caption", "webdataset", "llava"])

@@ -81,8 +81,11 @@ def test_parquet_rows_custom_columns_single_struct_plain_text_no_id():
     assert raw[0][schema.IMAGES] == [b"RAW"]
     none = _rows(parquet_rows(pa.table({"id": ["q"], "text": ["t"]}), DataConfig(text_column="text"), row_offset=0))
     assert none[0][schema.IMAGES] == [] and none[0][schema.READ_ERROR] == ""
+    auto = _rows(parquet_rows(table, DataConfig(), file_name="c.parquet"))  # a caption column, found by name
+    assert json.loads(auto[0][schema.CONVERSATIONS]) == [{"from": "gpt", "value": "a red circle"}]
+    assert auto[0][schema.IMAGES] == []  # "pic" is no image column name it looks for
     with pytest.raises(ValueError, match="text column"):
-        parquet_rows(table, DataConfig())
+        parquet_rows(table.drop_columns(["caption"]).append_column("note", pa.array([1, 2])), DataConfig())
     assert [r[schema.SAMPLE_ID] for r in _rows(parquet_rows(table, cfg, file_name="c.parquet"))] == \
         ["c.parquet:0", "c.parquet:1"]
 

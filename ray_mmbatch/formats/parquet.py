@@ -6,11 +6,14 @@ Parquet, a FIFO, a dangling link) or that lacks the text column becomes one skip
 unit. Columns are chosen PER FILE: a file without the image column gives its own rows no
 images, not the whole set.
 
-Columns: ``data.text_column`` (list<struct<from, value>> / HF ``messages``
-list<struct<role, content>>, a JSON string of either, or plain text = one answer;
-"messages" is used when the default "conversations" is absent), ``data.image_column``
-(struct {bytes, path}, a list of them, binary or list<binary>; any other type skips the
-file), ``data.id_column`` (optional, kept readable in the id).
+Columns and layout: formats/layouts.py tells from each file's schema which column holds the
+dialogue (LLaVA conversations, HF messages, Cauldron texts, PixMo questions, a caption) and which
+the images (``images`` list<Image>, one nullable ``image`` struct, binary); ``--text-column`` /
+``--image-column`` override. A file that fits no layout is one skipped-file unit naming why; a
+schema whose images are only URLs is refused. An Image struct with null bytes and a path
+(``Dataset.to_parquet`` of local files) is read from the path under ``--image-root``.
+``--filter`` (formats/filters.py) is evaluated on its scalar columns at listing (each unit's
+row count is what it keeps) and again at read; filtered rows are counted, never read further.
 
 Id scheme: ``<file relative to the dataset root>:<row in the file>``, plus ``#<id>`` when
 the row has an id: unique by construction, whatever the ids in the data.
@@ -18,14 +21,15 @@ Pure module: pyarrow, no ray.
 """
 from __future__ import annotations
 
-import json
+import os
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ray_mmbatch import schema
-from ray_mmbatch.formats import fs
+from ray_mmbatch.formats import filters, fs, layouts
 from ray_mmbatch.formats.records import (
     conversations_to_json,
     error,
@@ -33,34 +37,32 @@ from ray_mmbatch.formats.records import (
     raw_row,
     rows_to_table,
     sample_id,
-    text_to_json,
 )
 
 EXTS = (".parquet",)
-MESSAGES_COLUMN = "messages"  # HF / TRL chat layout
 
 
-def _text_column(names: list[str], data_cfg) -> str | None:
-    if data_cfg.text_column in names:
-        return data_cfg.text_column
-    if data_cfg.text_column == "conversations" and MESSAGES_COLUMN in names:
-        return MESSAGES_COLUMN
-    return None
+def table_columns(arrow_schema: pa.Schema, data_cfg) -> layouts.Columns:
+    """The layout and columns a table with this schema is read with (layouts.choose; raises LayoutError)."""
+    return layouts.choose(arrow_schema, data_cfg)
 
 
-def _image_type_ok(t: pa.DataType) -> bool:
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        t = t.value_type
-    if pa.types.is_struct(t):
-        i = t.get_field_index("bytes")
-        return i >= 0 and (pa.types.is_binary(t.field(i).type) or pa.types.is_large_binary(t.field(i).type)
-                           or pa.types.is_null(t.field(i).type))
-    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_null(t)
+def check_filter_columns(arrow_schema: pa.Schema, data_cfg) -> str:
+    """"" or why this file cannot be filtered (a --filter column it lacks)."""
+    missing = filters.missing_columns(filters.parse(getattr(data_cfg, "filter", "")), arrow_schema)
+    return f"no column {missing[0]!r} for --filter; columns are {arrow_schema.names}" if missing else ""
+
+
+def kept_rows(table: pa.Table, data_cfg) -> np.ndarray | None:
+    """The rows of a batch that pass --filter (indices), or None without a filter."""
+    clauses = filters.parse(getattr(data_cfg, "filter", ""))
+    return np.flatnonzero(filters.mask(table, clauses)) if clauses else None
 
 
 def _file_units(path: str, root: str, data_cfg) -> list[dict]:
     rel = fs.relative(path, root)
-    base = {"path": path, "rel": rel, "row_group": 0, "row_offset": 0, "rows": 1, "columns": "", "error": ""}
+    base = {"path": path, "rel": rel, "row_group": 0, "row_offset": 0, "rows": 1, "filtered": 0, "columns": "",
+            "read_as": "", "error": ""}
     try:
         if fs.kind(path) != "file":
             return [dict(base, error="not a regular file (dangling link, FIFO or device): never opened")]
@@ -69,23 +71,24 @@ def _file_units(path: str, root: str, data_cfg) -> list[dict]:
             arrow_schema = meta.schema.to_arrow_schema()
     except Exception as exc:  # noqa: BLE001 - any failure of one file skips that file, named
         return [dict(base, error=f"not a readable Parquet file: {exc}")]
-    names = arrow_schema.names
-    text = _text_column(names, data_cfg)
-    if text is None:
-        return [dict(base, error=f"no text column {data_cfg.text_column!r}; columns are {names}")]
-    cols = {"text": text}
-    if data_cfg.image_column in names:
-        t = arrow_schema.field(data_cfg.image_column).type
-        if not _image_type_ok(t):
-            return [dict(base, error=f"image column {data_cfg.image_column!r} is {t}, not binary, "
-                                     "struct<bytes, path> or a list of them")]
-        cols["image"] = data_cfg.image_column
-    if data_cfg.id_column in names:
-        cols["id"] = data_cfg.id_column
+    try:
+        cols = table_columns(arrow_schema, data_cfg)
+    except layouts.LayoutError as exc:
+        return [dict(base, error=str(exc))]
+    why = check_filter_columns(arrow_schema, data_cfg)
+    if why:
+        return [dict(base, error=why)]
+    clauses = filters.parse(getattr(data_cfg, "filter", ""))
     units, offset = [], 0
     for g in range(meta.num_row_groups):
         n = meta.row_group(g).num_rows
-        units.append(dict(base, row_group=g, row_offset=offset, rows=n, columns=json.dumps(cols)))
+        kept = n
+        if clauses:  # the filter's scalar columns only: cheap, and the unit knows its rows before any read
+            with fs.open_random_access(path) as f:
+                part = pq.ParquetFile(f).read_row_group(g, columns=filters.columns(clauses))
+            kept = int(filters.mask(part, clauses).sum())
+        units.append(dict(base, row_group=g, row_offset=offset, rows=kept, filtered=n - kept,
+                          columns=cols.to_json(), read_as=cols.describe))
         offset += n
     return units
 
@@ -96,14 +99,17 @@ def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(files)))) as pool:
         per_file = list(pool.map(lambda f: _file_units(f, root, data_cfg), files))
     units = [u for us in per_file for u in us]
-    if units and all(u["error"].startswith("no text column") for u in units):
+    if units and all(u["error"].startswith(("no text column", "text column")) for u in units):
         raise ValueError(f"{root}: text column {data_cfg.text_column!r} not found in any file; "
-                         f"{units[0]['rel']} has {units[0]['error'].split('columns are ', 1)[-1]} "
-                         "(set data.text_column)")
+                         f"{units[0]['rel']}: {units[0]['error']} (set --text-column)")
+    urls = [u for u in units if "holds image URLs" in u["error"]]
+    if urls and len(urls) == len(units):
+        raise ValueError(f"{root}: {urls[0]['rel']}: {urls[0]['error']}")
     return units
 
 
 def count(units: list[dict], data_cfg) -> int:
+    """Rows the units yield (after --filter: listing read the filter's columns)."""
     return sum(int(u["rows"]) for u in units)
 
 
@@ -114,41 +120,76 @@ def _image_items(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _conversation(value, plain: bool, max_chars: int) -> tuple[str, str]:
-    """A string column is a caption unless it holds a JSON list (conversations stored as JSON)."""
-    if plain and not (isinstance(value, str) and value.lstrip().startswith("[") and _json_list(value)):
-        return text_to_json(value, max_chars)
-    return conversations_to_json(value, max_chars)
+def _image_from_path(ref: str, image_root: str, max_bytes: int) -> tuple[bytes, str]:
+    """An Image struct with null bytes and a path (``Dataset.to_parquet`` of local files): read from the path
+    when it lies under --image-root (absolute, or relative to it); nothing outside the root is opened."""
+    from ray_mmbatch.formats.llava import _read_image as read_image_file
+    from ray_mmbatch.formats.llava import resolve_image_path
+
+    if not image_root:
+        return b"", error(schema.SKIP_MISSING_FILE, f"image {ref!r} has no bytes; set --image-root to the folder "
+                                                    "that holds its path to read it from there")
+    if not fs.is_uri(image_root) and os.path.isabs(ref):
+        root = os.path.realpath(fs.local_path(image_root))
+        if os.path.commonpath([root, os.path.realpath(ref)]) != root:
+            return b"", error(schema.SKIP_PATH_OUTSIDE_ROOT, f"{ref} (not under --image-root {image_root})")
+        ref = os.path.relpath(os.path.realpath(ref), root)
+    location, err = resolve_image_path(ref, image_root)
+    return (b"", err) if err else read_image_file(location, ref, max_bytes)
 
 
-def _json_list(value) -> bool:
-    try:
-        return isinstance(json.loads(value), list)
-    except (TypeError, ValueError):
-        return False
+def _row_images(cell, sid: str, order, image_root: str, max_bytes: int) -> tuple[list[bytes], list[str], str]:
+    """(bytes, refs, read_error) of one row's image cell; ``order``: the images in the order the dialogue
+    names them (HF messages parts with an index), None = as stored."""
+    items = _image_items(cell)
+    if order is not None:
+        if sorted(order) != list(range(len(items))):
+            return [], [], error(schema.SKIP_PLACEHOLDER_MISMATCH, f"image parts name indices {order} of "
+                                                                   f"{len(items)} images")
+        items = [items[k] for k in order]
+    blobs, refs, err = [], [], ""
+    for k, item in enumerate(items):
+        data, path = (item.get("bytes"), item.get("path")) if isinstance(item, dict) else (item, None)
+        ref = path or f"{sid}#{k}"
+        refs.append(ref)
+        if err:
+            continue
+        if item is None:
+            err = error(schema.SKIP_MISSING_FILE, f"image {k} of the row's list is null")
+        elif data is None and path:
+            data, err = _image_from_path(path, image_root, max_bytes)
+        elif data is None:
+            err = error(schema.SKIP_MISSING_FILE, f"image {k} ({ref}) has no bytes and no path")
+        blobs.append(data or b"")
+    return blobs, refs, err
 
 
-def rows_of_table(table: pa.Table, rel: str, row_offset: int, cols: dict, data_cfg) -> list[dict]:
-    """RAW rows of a Parquet batch whose columns are ``cols`` ({"text", "image"?, "id"?} -> column name)."""
+def rows_of_table(table: pa.Table, rel: str, row_offset: int, cols, data_cfg, keep=None) -> list[dict]:
+    """RAW rows of a Parquet / Arrow batch read with ``cols`` (layouts.Columns); ``keep``: the row indices that
+    pass --filter (None = all). Ids use the row's place in its file, filtered rows or not."""
+    if isinstance(cols, dict):  # {"text", "image"?, "id"?} -> column name (older callers)
+        cols = layouts.choose(table.select(list(cols.values())).schema, data_cfg) if cols else cols
     n = table.num_rows
-    text_type = table.schema.field(cols["text"]).type
-    plain = pa.types.is_string(text_type) or pa.types.is_large_string(text_type)
-    texts = table.column(cols["text"]).to_pylist()
-    images = table.column(cols["image"]).to_pylist() if "image" in cols else [None] * n
-    ids = table.column(cols["id"]).to_pylist() if "id" in cols else [None] * n
+    rows_idx = range(n) if keep is None else [int(i) for i in keep]
+    texts = table.column(cols.text).to_pylist()
+    images = table.column(cols.image).to_pylist() if cols.image else [None] * n
+    ids = table.column(cols.id).to_pylist() if cols.id else [None] * n
     max_chars = getattr(data_cfg, "max_text_chars", 0)
+    prompt = getattr(data_cfg, "caption_prompt", "")
+    image_root = getattr(data_cfg, "image_root", "")
+    max_bytes = getattr(data_cfg, "max_file_bytes", 0)
     rows = []
-    for i in range(n):
+    for i in rows_idx:
         sid = sample_id(f"{rel}:{row_offset + i}", ids[i])
-        conv, err = _conversation(texts[i], plain, max_chars)
-        blobs, refs = [], []
-        for k, item in enumerate(_image_items(images[i])):
-            data, ref = (item.get("bytes"), item.get("path") or f"{sid}#{k}") if isinstance(item, dict) \
-                else (item, f"{sid}#{k}")
-            refs.append(ref)
-            if data is None and not err:
-                err = error(schema.SKIP_MISSING_FILE, f"image {k} ({ref}) has no bytes")
-            blobs.append(data or b"")
+        order = layouts.image_order(texts[i]) if cols.layout == "messages" else None
+        blobs, refs, img_err = _row_images(images[i], sid, order, image_root, max_bytes)
+        try:
+            turns = layouts.row_turns(cols, texts[i], len(refs), prompt)
+        except layouts.LayoutError as exc:
+            conv, err = "[]", error(schema.SKIP_MALFORMED_RECORD, str(exc))
+        else:
+            conv, err = conversations_to_json(turns, max_chars)
+        err = err or img_err
         rows.append(raw_row(sid, conv, [] if err else blobs, refs, err))
     return rows
 
@@ -157,22 +198,24 @@ def read_unit(unit: dict, data_cfg) -> list[dict]:
     """RAW rows of one row group (or the one skipped-file row of a file that cannot be read)."""
     if unit["error"]:
         return [file_skip_row(unit["rel"], unit["error"])]
-    cols = json.loads(unit["columns"])
+    cols = layouts.Columns.from_json(unit["columns"])
+    wanted = [c for c in (cols.text, cols.image, cols.id) if c]
+    clauses = filters.parse(getattr(data_cfg, "filter", ""))
     try:
         with fs.open_random_access(unit["path"]) as f:
-            part = pq.ParquetFile(f).read_row_group(int(unit["row_group"]), columns=list(cols.values()))
+            part = pq.ParquetFile(f).read_row_group(int(unit["row_group"]),
+                                                    columns=sorted(set(wanted + filters.columns(clauses))))
     except Exception as exc:  # noqa: BLE001 - a corrupt row group skips that row group, named
         return [file_skip_row(unit["rel"], f"row group {unit['row_group']}: {exc}")]
-    return rows_of_table(part, unit["rel"], int(unit["row_offset"]), cols, data_cfg)
+    return rows_of_table(part, unit["rel"], int(unit["row_offset"]), cols, data_cfg, kept_rows(part, data_cfg))
 
 
 def parquet_rows(table: pa.Table, data_cfg, *, file_name: str | None = None, row_offset: int = 0) -> pa.Table:
     """RAW rows (Arrow) from a Parquet batch read elsewhere (benchmarks, tests): ids ``<file_name>:<row>``,
     ``row_offset`` being the row of the batch's first row in its file."""
-    names = table.column_names
-    text = _text_column(names, data_cfg)
-    if text is None:
-        raise ValueError(f"text column {data_cfg.text_column!r} not in Parquet columns {names}")
-    cols = {"text": text}
-    cols.update({k: c for k, c in (("image", data_cfg.image_column), ("id", data_cfg.id_column)) if c in names})
-    return rows_to_table(rows_of_table(table, file_name or "", int(row_offset or 0), cols, data_cfg))
+    try:
+        cols = table_columns(table.schema, data_cfg)
+    except layouts.LayoutError as exc:
+        raise ValueError(str(exc)) from None
+    return rows_to_table(rows_of_table(table, file_name or "", int(row_offset or 0), cols, data_cfg,
+                                       kept_rows(table, data_cfg)))
