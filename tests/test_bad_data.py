@@ -77,9 +77,9 @@ def test_hub_layout_same_file_names_in_two_folders_trains_every_sample(tmp_path)
         (tmp_path / sub).mkdir()
         pq.write_table(conversations_table(8, [f"{k}" for k in range(8)]),  # same ids in both, too
                        tmp_path / sub / "train-00000-of-00001.parquet", row_group_size=3)
-    ids = [r[S.SAMPLE_ID] for r in raw_rows(tmp_path)]
+    ids = [r[S.SAMPLE_ID] for r in raw_rows(tmp_path)]  # a folder of configs: one source per config
     assert len(set(ids)) == len(ids) == 16
-    assert ids[0] == "cc3m/train-00000-of-00001.parquet:0#0" and ids[8] == "coco/train-00000-of-00001.parquet:0#0"
+    assert ids[0] == "cc3m:train-00000-of-00001.parquet:0#0" and ids[8] == "coco:train-00000-of-00001.parquet:0#0"
     trained, skipped = trained_and_skipped(tmp_path)
     assert sorted(trained) == sorted(ids) and not skipped  # 16 trained, each once
 

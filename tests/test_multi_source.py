@@ -68,7 +68,11 @@ def test_data_flag_repeated_and_config_list(three, tmp_path):
     assert one.data.path == "/d/a" and one.data.sources == []
     many = config_from_args(p.parse_args(["--data", "/d/a", "--data", "s3://b/c#0.25"]))
     assert many.data.path == "" and many.data.sources == [{"path": "/d/a"}, {"path": "s3://b/c", "weight": 0.25}]
-    assert parse_data_flag(["/d/x#y"]) == {"data.sources": [{"path": "/d/x#y"}]}  # not a weight: part of the path
+    assert parse_data_flag(["/d/x#y"]) == {"data.path": "/d/x#y"}  # not a weight: part of the path
+    assert parse_data_flag(["/d/x#y", "/d/z"]) == {"data.sources": [{"path": "/d/x#y"}, {"path": "/d/z"}]}
+    assert parse_data_flag(["/d/x#split=validation"]) == {"data.path": "/d/x", "data.split": "validation"}
+    assert parse_data_flag(["/d/x#config=ai2d(cauldron,llava_format)#split=test#0.5"]) == {"data.sources": [
+        {"path": "/d/x", "config": "ai2d(cauldron,llava_format)", "split": "test", "weight": 0.5}]}
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text(f"data:\n  sources:\n    - {{path: {root / 'parquet'}, weight: 0.6}}\n"
                          f"    - {{path: {root / 'webdataset'}, name: shards, weight: 0.4}}\n")

@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return 2
     print(f"[train] data ok: {seen['format']}, {seen['files']} file(s), first {seen['samples_checked']} samples "
           f"checked ({seen['skipped']} skipped)", flush=True)
+    for line in seen.get("read_as", [])[:20]:
+        print(f"[train] read as: {line}", flush=True)
     from ray_mmbatch.train.trainer import run_training
 
     out = Path(cfg.train.output_dir).resolve()

@@ -64,8 +64,15 @@ def eval_source(cfg):
     ev = copy.deepcopy(cfg)
     ev.data.shuffle = "none"
     if cfg.data.eval_data:
-        ev.data.path, ev.data.eval_data, ev.data.eval_split = cfg.data.eval_data, "", 0.0
-        ev.data.sources = []
+        from ray_mmbatch.formats.sources import parse_location
+        from ray_mmbatch.formats.splits import HELD_OUT
+
+        path, extra = parse_location(cfg.data.eval_data)  # FOLDER#split=validation, FOLDER#config=NAME
+        ev.data.path, ev.data.eval_data, ev.data.eval_split = path, "", 0.0
+        ev.data.split = extra.get("split") or HELD_OUT  # a Hub-style folder: its validation split, else test
+        ev.data.sources = [{"path": path, "config": extra["config"]}] if extra.get("config") else []
+        if ev.data.sources:
+            ev.data.path = ""
         return ev, None
     if ev.data.sources:  # a blend's weights shape training epochs; the held-out set is read once, whole
         from ray_mmbatch.formats.sources import without_weights

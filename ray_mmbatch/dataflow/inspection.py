@@ -125,7 +125,13 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
         from ray_mmbatch.formats.sources import without_weights
 
         data = without_weights(data)
-    ds = read_raw(data.path, data).map_batches(
+    from ray_mmbatch.formats.splits import expand
+    from ray_mmbatch.formats.units import listing_summary, read_units
+
+    data = expand(data)
+    reader = read_units(data.path, data)
+    listing = listing_summary(reader, data)
+    ds = read_raw(data.path, data, reader=reader).map_batches(
         InspectStage, batch_size=None, batch_format="pyarrow",
         fn_constructor_args=(cfg.image, cfg.text, cfg.data.measure_batch),
         compute=ray.data.ActorPoolStrategy(min_size=workers, max_size=workers), **stage_args(cfg))
@@ -152,13 +158,18 @@ def inspect_dataset(cfg: Config) -> dict[str, Any]:
     nbytes = float(np.sum(cols.get("image_bytes", [0])))
     n = len(reasons) - len(files)
     per_source = {}
-    if cfg.data.sources:  # several datasets (formats/sources.py): the counts of each
+    if data.sources:  # several datasets (formats/sources.py): the counts of each
         from ray_mmbatch.formats.sources import by_source
 
         per_source = by_source([str(s) for s in cols.get(S.SAMPLE_ID, [])],
                                [S.parse_skip(r)[0] if r else "" for r in reasons])
         per_source = _blend_plan(cfg, per_source)
+    for name, n in listing["filtered"].items():  # rows --filter left out: counted, never read further
+        if name in per_source:
+            per_source[name]["filtered"] = n
     return {
+        "read_as": listing["read_as"], **({"splits": listing["splits"]} if listing["splits"] else {}),
+        **({"filtered": sum(listing["filtered"].values())} if listing["filtered"] else {}),
         **({"sources": per_source} if per_source else {}),
         "samples_read": n, "samples_ok": int(ok.sum()), "samples_skipped": int(n - ok.sum()),
         "skipped": skipped, "skipped_examples": examples,

@@ -27,13 +27,14 @@ import os
 
 import pyarrow as pa
 
-from ray_mmbatch.formats import fs, llava, parquet, webdataset
+from ray_mmbatch.formats import arrow, fs, llava, parquet, splits, webdataset
 from ray_mmbatch.formats.records import rows_to_table
 
-FORMATS = {"parquet": parquet, "webdataset": webdataset, "llava": llava}
+FORMATS = {"parquet": parquet, "webdataset": webdataset, "llava": llava, "arrow": arrow}
 _GLOB = "*?["
-# 'auto' on a folder: a LLaVA index first, then the first format (in this order) with files there.
-_AUTO_ORDER = ("parquet", "webdataset")
+# 'auto' on a folder: a LLaVA index first, then the first format (in this order) with files there
+# (of the chosen split, img2dataset's bookkeeping left out), then one JSON / JSON Lines file.
+_AUTO_ORDER = ("parquet", "arrow", "webdataset")
 
 
 def _glob(pattern: str) -> tuple[str, list[str]]:
@@ -59,25 +60,52 @@ def _format_of(files: list[str], location: str) -> str:
     return kinds.pop()
 
 
-def resolve(location: str, fmt: str = "auto") -> tuple[str, str, list[str]]:
-    """(format, dataset root, sorted files) for a file, folder or glob (local path or URI)."""
+def _is_glob(location: str) -> bool:
+    """Wildcards in the path, and no file or folder of that very name (config folders hold brackets)."""
+    tail = location.split("://", 1)[1] if fs.is_uri(location) else location
+    if not any(c in tail for c in _GLOB):
+        return False
+    try:
+        return fs.kind(location) == "missing"
+    except OSError:
+        return True
+
+
+def _img2dataset_bookkeeping(files: list[str]) -> set[str]:
+    """img2dataset's NNNNN.parquet / NNNNN_stats.json beside each NNNNN.tar: bookkeeping, never data."""
+    tars = {f[:-4] for f in files if f.lower().endswith(".tar")}
+    return {f for f in files if (f.lower().endswith(".parquet") and f[:-8] in tars)
+            or (f.lower().endswith("_stats.json") and f[:-11] in tars)}
+
+
+def resolve(location: str, fmt: str = "auto", split: str = "train") -> tuple[str, str, list[str]]:
+    """(format, dataset root, sorted files) for a file, folder or glob (local path or URI). A folder whose
+    files name Hub splits gives the files of ``split`` only (formats/splits.py)."""
     if fmt not in tuple(FORMATS) + ("auto",):
         raise ValueError(f"data.format must be one of {tuple(FORMATS) + ('auto',)}, got {fmt!r}")
-    if any(c in location for c in _GLOB) and not fs.is_uri(location) or \
-            fs.is_uri(location) and any(c in location.split("://", 1)[1] for c in _GLOB):
+    if _is_glob(location):
         root, files = _glob(location)
     elif fs.check_root(location) == "dir":
         root = location.rstrip("/")
+        every = fs.list_files(root)
+        names = {fs.relative(f, root) for f in every}
         if fmt in ("auto", "llava"):
-            index = [fs.join(root, n) for n in llava.INDEX_NAMES if fs.kind(fs.join(root, n)) == "file"]
+            index = [fs.join(root, n) for n in llava.INDEX_NAMES if n in names]
             if index:
                 return "llava", root, index[:1]
-        every = fs.list_files(root)
+        skip = _img2dataset_bookkeeping(every)
+        every = splits.select(root, [f for f in every if f not in skip], split)
         for candidate in (_AUTO_ORDER if fmt == "auto" else (fmt,)):
+            if candidate not in FORMATS:
+                continue
             files = [f for f in every if f.lower().endswith(FORMATS[candidate].EXTS)]
             if files:
                 return candidate, root, files
-        want = fmt if fmt != "auto" else "data.json, *.parquet or *.tar"
+        if fmt in ("auto", "llava"):  # a JSON / JSON Lines file of the split ("train.jsonl")
+            files = [f for f in every if f.lower().endswith(llava.EXTS)]
+            if len(files) == 1:
+                return "llava", root, files
+        want = fmt if fmt != "auto" else "data.json, *.parquet, *.arrow or *.tar"
         raise ValueError(f"{location!r} holds no {want} files")
     else:
         root, files = fs.dirname(location), [location]
@@ -86,8 +114,21 @@ def resolve(location: str, fmt: str = "auto") -> tuple[str, str, list[str]]:
 
 def list_units(location: str, data_cfg) -> tuple[str, list[dict]]:
     """(format, read units) of a dataset location."""
-    fmt, root, files = resolve(location, data_cfg.format)
+    fmt, root, files = resolve(location, data_cfg.format, getattr(data_cfg, "split", "train"))
     return fmt, FORMATS[fmt].list_units(files, root, data_cfg)
+
+
+def read_as(fmt: str, units: list[dict], data_cfg) -> list[str]:
+    """How the units are read, one line per layout met (what ``inspect`` and the run's start-up print)."""
+    lines = sorted({u.get("read_as", "") for u in units if u.get("read_as")})
+    if lines:
+        return lines
+    if fmt == "llava":
+        where = data_cfg.image_root or "the JSON file's folder"
+        return [f"LLaVA JSON: conversations [{{from, value}}] + image paths under {where}"]
+    if fmt == "webdataset":
+        return ["WebDataset shards: KEY.json dialogue (or KEY.txt caption) + KEY.<image ext>"]
+    return [fmt]
 
 
 def read_units_table(units: pa.Table, fmt: str, data_cfg) -> pa.Table:

@@ -9,7 +9,8 @@ its own source's format and settings, and every sample id gets its source's name
 (``name:id``), so two sources may share ids and skips are reported per source.
 
 On the command line: ``--data PATH`` repeated, ``PATH#WEIGHT`` to give a weight (ms-swift's
-``dataset#N`` style).
+``dataset#N`` style), ``PATH#split=NAME`` / ``PATH#config=NAME`` for a split or a config of a Hub-style
+folder (formats/splits.py). A folder of configs is one source per config.
 
 Blend by weight (when any source has a ``weight``; then every source needs one): as Mosaic
 Streaming's ``proportion``, a source's weight is its share of every epoch's samples, and an
@@ -64,18 +65,31 @@ class Source:
     weight: float
 
 
+_SUFFIX = re.compile(r"#(split|config)=([^#]*)$|#([0-9.eE+-]+)$")
+
+
+def parse_location(value: str) -> tuple[str, dict[str, Any]]:
+    """'PATH#config=NAME#split=NAME#WEIGHT' (each part optional, any order) -> (PATH, {config, split, weight})."""
+    path, extra = str(value), {}
+    while True:
+        m = _SUFFIX.search(path)
+        if not m:
+            return path, extra
+        if m.group(3) is not None:
+            extra.setdefault("weight", float(m.group(3)))
+        else:
+            extra.setdefault(m.group(1), m.group(2))
+        path = path[:m.start()]
+
+
 def parse_data_flag(values: list[str]) -> dict[str, Any]:
-    """``--data`` given once or several times -> the data overrides: one path, or a sources list."""
-    if len(values) == 1 and "#" not in values[0]:
-        return {"data.path": values[0]}
-    sources = []
-    for v in values:
-        path, sep, w = v.rpartition("#") if re.search(r"#[0-9.eE+-]+$", v) else (v, "", "")
-        entry: dict[str, Any] = {"path": path}
-        if sep:
-            entry["weight"] = float(w)
-        sources.append(entry)
-    return {"data.sources": sources}
+    """``--data`` given once or several times -> the data overrides: one path (with its split), or a sources
+    list (``PATH#WEIGHT``, ms-swift's ``dataset#N`` style; ``#split=NAME``, ``#config=NAME``)."""
+    parsed = [parse_location(v) for v in values]
+    if len(parsed) == 1 and set(parsed[0][1]) <= {"split"}:
+        path, extra = parsed[0]
+        return {"data.path": path, **({"data.split": extra["split"]} if "split" in extra else {})}
+    return {"data.sources": [{"path": path, **extra} for path, extra in parsed]}
 
 
 def _default_name(path: str) -> str:
@@ -85,6 +99,9 @@ def _default_name(path: str) -> str:
 
 def data_sources(data_cfg) -> list[Source]:
     """The run's sources: ``data.sources`` resolved (names unique, settings checked), or the one ``data.path``."""
+    from ray_mmbatch.formats.splits import expand
+
+    data_cfg = expand(data_cfg)  # folders of configs: one source per config (formats/splits.py)
     if not data_cfg.sources:
         return [Source("", data_cfg, 1.0)]
     if data_cfg.path:
@@ -97,7 +114,7 @@ def data_sources(data_cfg) -> list[Source]:
             entry = {"path": entry}
         if not isinstance(entry, dict) or not entry.get("path"):
             raise ValueError(f"data.sources[{k}]: expected a mapping with a path, got {entry!r}")
-        bad = sorted(set(entry) - fields - {"name", "weight"})
+        bad = sorted(set(entry) - fields - {"name", "weight", "config"})
         if bad:
             raise ValueError(f"data.sources[{k}]: unknown settings {bad}; a source takes name, weight and any of "
                              f"{sorted(fields)}")

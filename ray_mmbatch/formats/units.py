@@ -11,6 +11,7 @@ list<binary> images.
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import zlib
@@ -23,9 +24,10 @@ from ray_mmbatch.formats.end_of_stream import END_UNIT, marker_table
 from ray_mmbatch.formats.records import rows_to_table
 
 
-def resolve_files(path: str, fmt: str = "auto") -> tuple[str, list[str]]:
-    """(format, sorted files) for a file, folder or glob (path or URI); ``fmt`` 'auto' guesses."""
-    fmt, _, files = formats.resolve(path, fmt)
+def resolve_files(path: str, fmt: str = "auto", split: str = "train") -> tuple[str, list[str]]:
+    """(format, sorted files) for a file, folder or glob (path or URI); ``fmt`` 'auto' guesses; a folder with
+    Hub split names gives the files of ``split`` (formats/splits.py)."""
+    fmt, _, files = formats.resolve(path, fmt, split)
     return fmt, files
 
 
@@ -47,7 +49,12 @@ def read_units(path: str, data_cfg: DataConfig):
     source, one after the other, each tagged with its source's index.
     """
     from ray_mmbatch.formats.sources import blended
+    from ray_mmbatch.formats.splits import expand
 
+    if not data_cfg.sources and path and path != data_cfg.path:  # the path given apart from the config
+        data_cfg = copy.copy(data_cfg)
+        data_cfg.path = path
+    data_cfg = expand(data_cfg)  # a folder of configs: one source per config
     if int(data_cfg.epoch_samples or 0) < 0 or (data_cfg.epoch_samples and not blended(data_cfg)):
         raise ValueError(f"--epoch-samples {data_cfg.epoch_samples}: the size of a blended epoch, so it needs "
                          "sources with weights (--data PATH#WEIGHT repeated, or weight: in data.sources) and a "
@@ -200,3 +207,38 @@ def _count_one(path: str, data_cfg: DataConfig) -> int:
     schedule of runs that go by epochs."""
     fmt, units = formats.list_units(path, data_cfg)
     return formats.FORMATS[fmt].count(units, data_cfg)
+
+
+def listing_summary(reader: tuple, data_cfg: DataConfig) -> dict:
+    """What a listing says before any read: how each source is read (formats.read_as), the Hub splits its
+    folder holds and the one read, and the rows --filter leaves out ("filtered", per source)."""
+    from ray_mmbatch.formats import fs, splits
+    from ray_mmbatch.formats.sources import SOURCE
+
+    units, _, kwargs = reader
+    specs = kwargs.get("sources") or [("", kwargs["fmt"], kwargs["data_cfg"])]
+    out: dict = {"read_as": [], "splits": {}, "filtered": {}}
+    for k, (name, fmt, cfg) in enumerate(specs):
+        mine = [u for u in units if int(u.get(SOURCE, 0)) == k]
+        prefix = f"{name}: " if name else ""
+        out["read_as"] += [prefix + line for line in formats.read_as(fmt, mine, cfg)]
+        filtered = sum(int(u.get("filtered", 0) or 0) for u in mine)
+        if filtered or getattr(cfg, "filter", ""):
+            out["filtered"][name] = filtered
+        try:
+            if cfg.path and fs.kind(cfg.path) == "dir":
+                have = splits.found(cfg.path.rstrip("/"), fs.list_files(cfg.path.rstrip("/")))
+                if have:
+                    out["splits"][name or cfg.path] = {"found": have, "read": cfg.split}
+        except OSError:
+            pass
+    return out
+
+
+def filtered_counts(data_cfg: DataConfig) -> dict[str, int]:
+    """Rows --filter leaves out, per source name ('' for a single dataset); {} without a filter. Listed
+    again (the filter's columns only): what summary.json reports as filtered, apart from skips."""
+    entries = data_cfg.sources or []
+    if not (data_cfg.filter or any(isinstance(e, dict) and e.get("filter") for e in entries)):
+        return {}
+    return listing_summary(read_units(data_cfg.path, data_cfg), data_cfg)["filtered"]

@@ -38,8 +38,13 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
 
     Returns what it saw: {"format", "files", "samples_checked", "skipped"}.
     """
+    from ray_mmbatch.formats.splits import expand
     from ray_mmbatch.formats.units import resolve_files
 
+    try:
+        cfg.data = expand(cfg.data)  # a folder of configs becomes one source per config, for the whole run
+    except (OSError, ValueError) as e:
+        raise PreflightError(f"data: {e}") from None
     d = cfg.data
     if d.sources:  # several datasets (formats/sources.py): each checked as a run of its own
         from ray_mmbatch.formats.sources import data_sources
@@ -56,14 +61,15 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
                 seen.append(preflight(one, samples))
             except PreflightError as e:
                 raise PreflightError(f"source {src.name!r}: {e}") from None
-        return {"format": "+".join(r["format"] for r in seen), "files": sum(r["files"] for r in seen),
+        return {"format": "+".join(sorted({r["format"] for r in seen})), "files": sum(r["files"] for r in seen),
                 "samples_checked": sum(r["samples_checked"] for r in seen),
-                "skipped": sum(r["skipped"] for r in seen), "sources": [s.name for s in sources]}
+                "skipped": sum(r["skipped"] for r in seen), "sources": [s.name for s in sources],
+                "read_as": [f"{s.name}: {line}" for s, r in zip(sources, seen) for line in r["read_as"]]}
     d = cfg.data
     if not d.path:
         raise PreflightError("data: no --data given")
     try:
-        fmt, files = resolve_files(d.path, d.format)
+        fmt, files = resolve_files(d.path, d.format, d.split)
     except (OSError, ValueError) as e:
         raise PreflightError(f"data: {e}") from None
     if fmt == "llava" and d.image_root:
@@ -82,7 +88,7 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         what = f"model {cfg.model.path!r}" if cfg.model.path else f"tokenizer {cfg.text.tokenizer or '(built-in)'!r}"
         raise PreflightError(f"model: {what} does not load: {_one_line(e)}") from None
 
-    rows = _first_rows(cfg, samples, fmt)
+    rows, read_as = _first_rows(cfg, samples, fmt)
     reasons = [SkipRecord.of(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows if r[S.SKIP_REASON]]
     seen = len(rows)
     at_end = seen < samples  # the whole (small) dataset was read
@@ -90,7 +96,7 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         raise TooManySkippedAtStart(explain_skips(
             reasons, seen, d.max_skip_fraction, d, where=" checked before the run",
             see_also="ray-mmbatch inspect reads and counts them all"))
-    return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons)}
+    return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons), "read_as": read_as}
 
 
 def _configured(cfg: Config) -> Config:
@@ -101,17 +107,19 @@ def _configured(cfg: Config) -> Config:
     return cfg
 
 
-def _first_rows(cfg: Config, n: int, fmt: str) -> list[dict]:
-    """The first ``n`` samples read and measured in-process: the pure measure step over the
-    readers' own read units (header reads only, no decode)."""
+def _first_rows(cfg: Config, n: int, fmt: str) -> tuple[list[dict], list[str]]:
+    """(the first ``n`` samples read and measured in-process: the pure measure step over the
+    readers' own read units, header reads only, no decode; how the data is read: formats.read_as)."""
     import pyarrow as pa
 
     from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
     from ray_mmbatch.data.text.encoder import tokenizer_for
+    from ray_mmbatch.formats import read_as
     from ray_mmbatch.formats.units import read_units
 
     try:
         units, read_fn, kwargs = read_units(cfg.data.path, cfg.data)
+        lines = read_as(fmt, units, cfg.data)
         rows: list[dict] = []
         for unit in units:
             rows += read_fn(pa.Table.from_pylist([dict(unit, end=False)]), **kwargs).to_pylist()
@@ -121,11 +129,11 @@ def _first_rows(cfg: Config, n: int, fmt: str) -> list[dict]:
         raise PreflightError(f"data: {cfg.data.path} does not read as {fmt}: {_one_line(e)}") from None
     rows = rows[:n]
     if not rows:
-        return []
+        return [], lines
     batch = {k: [r[k] for r in rows] for k in rows[0]}
     measured = fit_batch_to_budget(measure_batch(batch, cfg.image, tokenizer_for(cfg.text), cfg.text), cfg.budget)
     return [{S.SAMPLE_ID: measured[S.SAMPLE_ID][i], S.SKIP_REASON: measured[S.SKIP_REASON][i]}
-            for i in range(len(measured[S.SAMPLE_ID]))]
+            for i in range(len(measured[S.SAMPLE_ID]))], lines
 
 
 def _one_line(e: BaseException) -> str:

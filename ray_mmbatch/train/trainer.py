@@ -21,6 +21,7 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
 from ray_mmbatch.data.errors import SkipRecord
 from ray_mmbatch.formats import fs
+from ray_mmbatch.formats.units import filtered_counts
 from ray_mmbatch.run.rundir import RunDir, read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 
@@ -282,8 +283,14 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "trainable_params": m.get("trainable_params"),
         "total_params": m.get("total_params"),
     }
+    filtered = filtered_counts(cfg.data)  # --filter: rows left out at read, not skips
+    if filtered:
+        summary["filtered"] = sum(filtered.values())
     if cfg.data.sources:  # several datasets: what each trained and skipped (formats/sources.py)
         summary["sources"] = source_summary(cfg, batch_records, skipped_ids)
+        for name, n in filtered.items():
+            if name in summary["sources"]:
+                summary["sources"][name]["filtered"] = n
     if stopped.exists():  # the skip guard stopped the run (train/loop.py)
         summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))
     (out / RunDir.SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
