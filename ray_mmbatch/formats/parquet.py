@@ -102,6 +102,9 @@ def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
     if units and all(u["error"].startswith(("no text column", "text column")) for u in units):
         raise ValueError(f"{root}: text column {data_cfg.text_column!r} not found in any file; "
                          f"{units[0]['rel']}: {units[0]['error']} (set --text-column)")
+    unfiltered = [u for u in units if "for --filter" in u["error"]]
+    if unfiltered and len(unfiltered) == len(units):
+        raise ValueError(f"{root}: {unfiltered[0]['rel']}: {unfiltered[0]['error']}")
     urls = [u for u in units if "holds image URLs" in u["error"]]
     if urls and len(urls) == len(units):
         raise ValueError(f"{root}: {urls[0]['rel']}: {urls[0]['error']}")
