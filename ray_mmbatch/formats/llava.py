@@ -1,126 +1,153 @@
 """LLaVA JSON: one ``.json`` list (or ``.jsonl``, one record a line) of records + an image folder.
 
 Record: {"id"?, "image": "rel/path.jpg" | [...] (or "images"), "conversations" | "messages"}
-(conversations may also be a JSON string). The record list is read on the driver and
-sent as read units of LLAVA_CHUNK records; workers read the image files. A JSON Lines
-file named ``.json`` is refused at start with the right extension named; a ``.jsonl``
-line that is not JSON is kept as a malformed_record row.
+(conversations may also be a JSON string). The driver streams the file once
+(formats/json_stream.py: blocks of 16 MB, never the whole file in memory) and lists read units of
+CHUNK records, each a byte range of the file (offset, length) with its first record index and
+record count; a worker seeks to its range, reads and parses only that. A JSON list that breaks off
+(truncated, a bad record, data after the closing ``]``) keeps every record before the break and
+ends in one skipped row ``<file>:unreadable-tail`` (malformed_record, naming the byte). A JSON Lines
+file named ``.json`` is refused at start with the right extension named, as is a top level that is
+not a list; a ``.jsonl`` line that is not JSON is kept as a malformed_record row; blank lines are
+not records.
 
 Image paths resolve inside the image root (``data.image_root``, default the JSON's folder;
 a local folder or a URI) or are refused unread: absolute paths, ``..`` and symlinks out of
 the root (path_outside_root), NUL in the path (malformed_record). Before a file is read its
 size is checked (stat) against ``data.max_file_bytes`` (file_too_large), and only regular
-files are opened (a FIFO would hang).
+files are opened (a FIFO would hang). A path ``A/x.jpg`` that is not a file there is read from the
+archive ``A.zip`` in the root (formats/archives.py); when ``A.tar.gz`` lies there instead, the skip
+names it and the command that extracts it, and listing warns once about such archives.
 
 Id scheme: ``<file relative to its folder>:<record index>``, plus ``#<id>`` when the record
 has one: a repeated user id (common in merged sets; ``1`` and ``"1"`` too) stays two samples
-and stays readable. One warning per file names how many records repeat an id, with examples.
+and stays readable. One warning per file names how many records repeat an id, with examples
+(counted while listing: 8 bytes a record; JSON Lines files over IDS_MAX_LINES_BYTES are not
+parsed on the driver, so they are not checked and the log says so).
 Pure module: no ray.
 """
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
 import posixpath
 
 from ray_mmbatch import schema
-from ray_mmbatch.formats import fs
+from ray_mmbatch.formats import archives, fs, json_stream
 from ray_mmbatch.formats.records import conversations_to_json, error, raw_row, safe_text, sample_id
 
 EXTS = (".json", ".jsonl")
 INDEX_NAMES = ("data.json", "data.jsonl")
-CHUNK = 64
+CHUNK = 512
+IDS_MAX_LINES_BYTES = 2**30
 log = logging.getLogger("ray_mmbatch.formats")
 
 
-def _parse(location: str, text: str) -> list:
-    if location.endswith(".jsonl"):
-        records = []
-        for line in text.splitlines():
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    records.append(f"not JSON: {line[:80]}")  # kept: a row with malformed_record
-        return records
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as exc:
-        first = next((ln for ln in text.splitlines() if ln.strip()), "")
-        try:
-            one_per_line = isinstance(json.loads(first), dict) and exc.msg.startswith("Extra data")
-        except json.JSONDecodeError:
-            one_per_line = False
-        if one_per_line:
-            stem = posixpath.basename(location).rsplit(".", 1)[0]
-            raise ValueError(f"{location} holds one JSON record per line (JSON Lines), not one JSON list: "
-                             f"name it {stem}.jsonl") from None
-        raise ValueError(f"{location} is not valid JSON: {exc}") from None
-    if not isinstance(records, list):
-        raise ValueError(f"{location}: expected a JSON list of records, got {type(records).__name__}")
-    return records
+def list_records(location: str, chunk: int = CHUNK, block: int = json_stream.BLOCK,
+                 ids: json_stream.IdTally | None = None) -> json_stream.Listing:
+    """The streamed listing of one JSON / JSONL file: spans of ``chunk`` records (ValueError if refused)."""
+    with fs.open_input(location) as stream:
+        if location.lower().endswith(".jsonl"):
+            return json_stream.list_lines(stream, chunk, block, ids)
+        return json_stream.list_array(stream, location, chunk, block, ids)
 
 
-def read_records(files: list[str]) -> list:
-    """The records of the one LLaVA JSON / JSONL file."""
-    if len(files) != 1:
-        raise ValueError(f"LLaVA format reads one JSON file, got {len(files)}: {files[:3]}")
-    raw = fs.read_bytes(files[0])
-    return _parse(files[0], raw.decode("utf-8", "surrogateescape"))
-
-
-def _warn_repeated_ids(records: list, rel: str) -> None:
-    ids = collections.Counter(str(r["id"]) for r in records if isinstance(r, dict)
-                              and isinstance(r.get("id"), (str, int)) and str(r.get("id")) != "")
-    repeated = {k: n for k, n in ids.items() if n > 1}
+def _warn_repeated_ids(ids: json_stream.IdTally, rel: str) -> None:
+    records, repeated, shown = ids.repeated()
     if repeated:
-        examples = ", ".join(f"{safe_text(k)!r} x{n}" for k, n in list(repeated.items())[:5])
+        examples = ", ".join(f"{safe_text(k)!r} x{n}" for k, n in shown)
         log.warning("%s: %d records share their id with another record (%d ids repeated, e.g. %s); each is "
                     "a sample of its own, told apart by record index: '%s:<index>#<id>'",
-                    rel, sum(repeated.values()), len(repeated), examples, rel)
+                    rel, records, repeated, examples, rel)
+
+
+def _warn_unextracted(image_root: str) -> None:
+    tars = archives.unextracted_tars(image_root)
+    if tars:
+        log.warning("%s holds %d tar archive(s) with no folder of their name (%s): images inside them are not "
+                    "read (no random access in a gzip'd tar) and their samples will be skipped as missing_file; "
+                    "extract each once, e.g. %s", image_root, len(tars), ", ".join(tars[:5]),
+                    archives.extract_command(tars[0], image_root))
 
 
 def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
-    records = read_records(files)
-    rel = fs.relative(files[0], fs.dirname(files[0]))
-    _warn_repeated_ids(records, rel)
+    if len(files) != 1:
+        raise ValueError(f"LLaVA format reads one JSON file, got {len(files)}: {files[:3]}")
     image_root = data_cfg.image_root or fs.dirname(files[0])
-    return [{"rel": rel, "row_offset": i, "image_root": image_root, "error": "",
-             "records": json.dumps(records[i:i + CHUNK], ensure_ascii=True)}
-            for i in range(0, len(records), CHUNK)]
+    _warn_unextracted(image_root)
+    return file_units(files[0], image_root)
+
+
+def file_units(location: str, image_root: str, chunk: int = CHUNK, block: int = json_stream.BLOCK) -> list[dict]:
+    """The read units of one JSON / JSONL file: byte ranges of ``chunk`` records (+ the broken tail's unit)."""
+    rel = fs.relative(location, fs.dirname(location))
+    lines = location.lower().endswith(".jsonl")
+    ids = None if lines and fs.size(location) > IDS_MAX_LINES_BYTES else json_stream.IdTally()
+    if ids is None:
+        log.info("%s: over %d bytes of JSON Lines, so its ids are not checked for repeats on the driver",
+                 rel, IDS_MAX_LINES_BYTES)
+    listing = list_records(location, chunk, block, ids)
+    if ids is not None:
+        _warn_repeated_ids(ids, rel)
+    base = {"path": location, "rel": rel, "image_root": image_root, "lines": lines, "error": ""}
+    units = [dict(base, offset=s.offset, length=s.length, row_offset=s.first, rows=s.count) for s in listing.spans]
+    if listing.error:
+        log.warning("%s: %s; the %d records before it are read, the rest is one skipped row", rel, listing.error,
+                    listing.records)
+        units.append(dict(base, offset=listing.tail, length=0, row_offset=listing.records, rows=1,
+                          error=listing.error))
+    return units
 
 
 def count(units: list[dict], data_cfg) -> int:
-    return sum(len(json.loads(u["records"])) for u in units)
+    return sum(int(u["rows"]) for u in units)
 
 
 # ------------------------------------------------------------------ image files
 def resolve_image_path(ref, image_root: str) -> tuple[str | None, str]:
     """(location, "") for a file inside image_root, else (None, read_error). Never opens the file."""
+    location, err, _ = _locate(ref, image_root)
+    return location, err
+
+
+def _locate(ref, image_root: str) -> tuple[str | None, str, bool]:
+    """resolve_image_path's (location, read_error) and whether nothing at all is at that path."""
     if not isinstance(ref, str) or not ref:
-        return None, error(schema.SKIP_MALFORMED_RECORD, f"image path {ref!r} is not a non-empty string")
+        return None, error(schema.SKIP_MALFORMED_RECORD, f"image path {ref!r} is not a non-empty string"), False
     if "\x00" in ref:
-        return None, error(schema.SKIP_MALFORMED_RECORD, f"image path {safe_text(ref)!r} holds a NUL")
+        return None, error(schema.SKIP_MALFORMED_RECORD, f"image path {safe_text(ref)!r} holds a NUL"), False
     if fs.is_uri(image_root):
         norm = posixpath.normpath(ref)
         if ref.startswith("/") or "://" in ref or norm == ".." or norm.startswith("../"):
-            return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref)
+            return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref), False
         location = fs.join(image_root, norm)
     else:
         if os.path.isabs(ref):
-            return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref)
+            return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref), False
         root = os.path.realpath(fs.local_path(image_root))
         location = os.path.realpath(os.path.join(root, ref))  # resolves '..' and symlinks without opening
         if os.path.commonpath([root, location]) != root:
-            return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref)
+            return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref), False
     found = fs.kind(location)
     if found == "missing":
-        return None, error(schema.SKIP_MISSING_FILE, ref)
+        return None, error(schema.SKIP_MISSING_FILE, ref), True
     if found != "file":  # a folder or a FIFO would hang or fail the read
-        return None, error(schema.SKIP_MISSING_FILE, f"{ref} is not a regular file")
-    return location, ""
+        return None, error(schema.SKIP_MISSING_FILE, f"{ref} is not a regular file"), False
+    return location, "", False
+
+
+def _image_bytes(ref, image_root: str, max_bytes: int) -> tuple[bytes, str]:
+    """(bytes, "") of an image path: a file under the root, else a member of an archive there."""
+    location, err, missing = _locate(ref, image_root)
+    if location is not None:
+        return _read_image(location, ref, max_bytes)
+    if missing:  # perhaps packed: A/x.jpg in A.zip (or named in A.tar.gz's skip)
+        data, archived_err = archives.read_archived(ref, image_root, max_bytes, resolve_image_path)
+        if data is not None:
+            return data, ""
+        err = archived_err or err
+    return b"", err
 
 
 def _read_image(location: str, ref: str, max_bytes: int) -> tuple[bytes, str]:
@@ -148,9 +175,7 @@ def llava_row(record, image_root: str, sid: str, max_bytes: int = 0, max_chars: 
         return raw_row(sid, conv, image_refs=ref_strs, read_error=err)
     blobs = []
     for ref in refs:
-        location, err = resolve_image_path(ref, image_root)
-        if not err:
-            data, err = _read_image(location, ref, max_bytes)
+        data, err = _image_bytes(ref, image_root, max_bytes)
         if err:
             return raw_row(sid, conv, image_refs=ref_strs, read_error=err)
         blobs.append(data)
@@ -163,12 +188,29 @@ def llava_rows(records: list, image_root: str, *, file_name: str = "data.json", 
     rows = []
     for i, record in enumerate(records):
         uid = record.get("id") if isinstance(record, dict) else None
+        if isinstance(record, json.JSONDecodeError):  # a JSON Lines line that is not JSON
+            rows.append(raw_row(f"{file_name}:{row_offset + i}", read_error=error(
+                schema.SKIP_MALFORMED_RECORD, f"line is not JSON ({record.msg}): {safe_text(record.doc[:80])}")))
+            continue
         rows.append(llava_row(record, image_root, sample_id(f"{file_name}:{row_offset + i}", uid),
                               max_bytes, max_chars))
     return rows
 
 
 def read_unit(unit: dict, data_cfg) -> list[dict]:
-    return llava_rows(json.loads(unit["records"]), unit["image_root"], file_name=unit["rel"],
-                      row_offset=int(unit["row_offset"]), max_bytes=getattr(data_cfg, "max_file_bytes", 0),
+    rel, first, n = unit["rel"], int(unit["row_offset"]), int(unit["rows"])
+    if unit["error"]:
+        return [raw_row(f"{rel}:unreadable-tail", read_error=error(
+            schema.SKIP_MALFORMED_RECORD, f"{rel}: {unit['error']}; the {first} records before it are read"))]
+    try:
+        data = json_stream.read_span(unit["path"], int(unit["offset"]), int(unit["length"]))
+        records = json_stream.line_records(data) if unit["lines"] else json_stream.array_records(data)
+        if len(records) != n:
+            raise ValueError(f"{len(records)} records where the listing found {n}")
+    except (OSError, ValueError) as exc:  # the file changed (or went) since it was listed
+        return [raw_row(f"{rel}:{first}-{first + n - 1}", read_error=error(
+            schema.SKIP_UNREADABLE_FILE, f"{rel} records {first}..{first + n - 1} (bytes {unit['offset']:,}+"
+            f"{unit['length']:,}): {exc}; the file changed since it was listed?"))]
+    return llava_rows(records, unit["image_root"], file_name=rel, row_offset=first,
+                      max_bytes=getattr(data_cfg, "max_file_bytes", 0),
                       max_chars=getattr(data_cfg, "max_text_chars", 0))
