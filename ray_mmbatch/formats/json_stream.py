@@ -139,12 +139,12 @@ class _Window:
                 self.more()
                 continue
             except StopIteration as exc:
-                err = json.JSONDecodeError("Expecting value", self.text, exc.value)
-            except json.JSONDecodeError as exc:
-                err = exc
-            cut = err.pos >= len(self.text) - 16 or err.msg.startswith("Unterminated string")
+                msg, pos = "Expecting value", exc.value
+            except json.JSONDecodeError as exc:  # only (msg, pos) kept: the exception holds the window
+                msg, pos = exc.msg, exc.pos
+            cut = pos >= len(self.text) - 16 or msg.startswith("Unterminated string")
             if not (cut and self.more()):  # a record cut by the window: read on, scan it again
-                raise json.JSONDecodeError(err.msg, "", self.base + err.pos) from None
+                raise json.JSONDecodeError(msg, "", self.base + pos)
 
 
 def _true_id(obj, window: _Window, start: int):

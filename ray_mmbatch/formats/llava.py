@@ -201,7 +201,7 @@ def read_unit(unit: dict, data_cfg) -> list[dict]:
     rel, first, n = unit["rel"], int(unit["row_offset"]), int(unit["rows"])
     if unit["error"]:
         return [raw_row(f"{rel}:unreadable-tail", read_error=error(
-            schema.SKIP_MALFORMED_RECORD, f"{rel}: {unit['error']}; the {first} records before it are read"))]
+            schema.SKIP_MALFORMED_RECORD, f"{rel}: {unit['error']}; the {first} record(s) before it are read"))]
     try:
         data = json_stream.read_span(unit["path"], int(unit["offset"]), int(unit["length"]))
         records = json_stream.line_records(data) if unit["lines"] else json_stream.array_records(data)
