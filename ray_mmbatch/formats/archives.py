@@ -78,6 +78,12 @@ def _zip(location: str) -> tuple[zipfile.ZipFile | None, str]:
     return zf, err
 
 
+def cached_archives() -> list[str]:
+    """The archives this process holds open (or remembers as unreadable), least recently used first."""
+    with _lock:
+        return list(_open)
+
+
 def close_all() -> None:
     """Close every cached archive (tests; a process that is done with the data)."""
     with _lock:
