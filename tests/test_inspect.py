@@ -33,3 +33,21 @@ def test_inspect_llava_with_bad_samples(ray_cluster, tmp_path):
     assert s["image_tokens"]["max"] > 0 and s["patches"]["max"] > 0
     assert set(s["images_per_sample"]) >= {"0", "1"}
     assert s["samples_per_s"] > 0
+
+
+def test_inspect_headers_only_finds_all_but_pixel_damage(ray_cluster, tmp_path):
+    """--decode off (the default above 50,000 samples) reads image headers only: the same counts, except that
+    images whose pixel data is cut short (header fine) are found only when decoding."""
+    from ray_mmbatch.dataflow.inspection import inspect_dataset
+    from ray_mmbatch.schema import SKIP_CORRUPT_IMAGE
+
+    manifest = generate_dataset(str(tmp_path / "llava"), 60, "llava", seed=6, shard_size=30, bad_per_kind=1)
+    cfg = Config()
+    cfg.data.path, cfg.data.format = str(tmp_path / "llava"), "llava"
+    on, off = inspect_dataset(cfg, "on"), inspect_dataset(cfg, "off")
+    assert (on["pixels_decoded"], off["pixels_decoded"]) == (True, False)
+    assert inspect_dataset(cfg)["pixels_decoded"]  # auto: a small set is decoded
+    corrupt = on["skipped"].pop(SKIP_CORRUPT_IMAGE)
+    assert corrupt == sum(1 for r in manifest["bad"].values() if r == SKIP_CORRUPT_IMAGE) > 0
+    assert SKIP_CORRUPT_IMAGE not in off["skipped"] and off["skipped"] == on["skipped"]
+    assert off["samples_ok"] == on["samples_ok"] + corrupt and off["tokens"]["sum"] >= on["tokens"]["sum"]

@@ -1,4 +1,4 @@
-"""Data check before spending GPU time: read -> measure -> materialize every sample with
+"""Data check before spending GPU time: read -> measure (-> decode, --decode) every sample with
 Ray Data and print a JSON summary (counts, skip reasons with example ids, token / image
 token / patch percentiles, images per sample, throughput). Use the distributions to pick
 budgets: e.g. --max-tokens at least the p99 of `tokens`.
@@ -18,6 +18,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_flags(parser, only=("data", "text", "image", "budget"))
     parser.add_argument("--json", metavar="PATH", help="also write the summary here")
+    parser.add_argument("--decode", choices=("auto", "on", "off"), default="auto",
+                        help="decode every image too (finds corrupt pixel data; checks materialized lengths): "
+                             "'auto' = on up to 50,000 samples, headers only above (default: auto)")
     add_console_flags(parser)
     return parser
 
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ray_mmbatch.train.trainer import connect
 
     connect()
-    summary = inspect_dataset(cfg)
+    summary = inspect_dataset(cfg, args.decode)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
