@@ -5,7 +5,15 @@ Read unit: one shard, streamed (``tarfile`` "r|*" over the filesystem's input st
 shard is never held whole, a gzip one is inflated as it goes). Members are grouped by
 key; extra images ``KEY.<n>.<ext>`` follow ``KEY.<ext>`` in numeric order of n. The
 record ``KEY.json`` is {"conversations" | "messages", "id"?} or {"text" | "caption"};
-``KEY.txt`` is a caption.
+``KEY.txt`` is a caption. A caption (``KEY.txt``, a JSON text / caption) is a captioning sample:
+the image(s) and ``--caption-prompt`` in the user turn, the caption the answer (layouts.Caption).
+
+img2dataset shards (``00000.tar`` beside ``00000.parquet`` and ``00000_stats.json``, which are
+bookkeeping): ``KEY.jpg`` / ``.png`` / ``.webp``, ``KEY.txt`` the caption, ``KEY.json`` the
+download metadata (url, key, status, sha256, width, original_width, exif...). Such a JSON (no
+conversations / messages, download keys) is never the dialogue: the caption is ``KEY.txt``, or
+the JSON's ``caption`` without one; its ``key`` is the member key already. Failed downloads are
+absent from the tar, so nothing stands for them.
 
 Checked from the tar header BEFORE a member is read: its size against
 ``data.max_file_bytes`` (a GNU sparse member claiming 8 GiB, a gzip bomb's 1 GiB of zeros:
@@ -27,7 +35,7 @@ import tarfile
 import zlib
 
 from ray_mmbatch import schema
-from ray_mmbatch.formats import fs
+from ray_mmbatch.formats import fs, layouts
 from ray_mmbatch.formats.records import (
     conversations_to_json,
     error,
@@ -35,12 +43,13 @@ from ray_mmbatch.formats.records import (
     raw_row,
     safe_text,
     sample_id,
-    text_to_json,
 )
 
 EXTS = (".tar", ".tar.gz", ".tgz")
 RECORD_EXT, TEXT_EXT = "json", "txt"
 METADATA_EXTS = frozenset({"cls", "cls2", "id", "index", "key", "__key__", "url"})
+# img2dataset's KEY.json (downloader.py): these beside url / caption / the --save_additional_columns
+DOWNLOAD_KEYS = frozenset({"key", "status", "error_message", "sha256", "original_width", "original_height", "exif"})
 _TAR_ERRORS = (tarfile.TarError, OSError, EOFError, zlib.error, ValueError)
 
 
@@ -101,14 +110,37 @@ def scan(stream, rel: str, max_bytes: int, read: bool = True, mode: str = "r|*")
     return groups, problems, tail
 
 
-def _record_conversation(rec: dict, max_chars: int) -> tuple[str, str]:
+def is_download_metadata(rec: dict) -> bool:
+    """An img2dataset KEY.json: no dialogue, and its download bookkeeping (url with status / key / sha256...)."""
+    return "conversations" not in rec and "messages" not in rec and \
+        len(DOWNLOAD_KEYS.intersection(rec)) + ("url" in rec) >= 2
+
+
+def _caption(text, n_images: int, prompt: str, max_chars: int, where: str) -> tuple[str, str]:
+    """A caption as a captioning sample (layouts.Caption: the prompt and the images asked, the caption answered)."""
+    try:
+        turns = layouts.Caption.turns(text, prompt, n_images)
+    except layouts.LayoutError as exc:
+        return "[]", error(schema.SKIP_MALFORMED_RECORD, f"{where}: {exc}")
+    return conversations_to_json(turns, max_chars)
+
+
+def _record_conversation(rec: dict, n_images: int, prompt: str, max_chars: int, key: str) -> tuple[str, str]:
     for field in ("conversations", "messages"):
         if field in rec:
             return conversations_to_json(rec[field], max_chars)
-    return text_to_json(rec.get("text", rec.get("caption")), max_chars)
+    return _caption(rec.get("text", rec.get("caption")), n_images, prompt, max_chars, f"{key}.json text / caption")
 
 
-def _row(rel: str, key: str, members: list, problem: str, max_chars: int) -> dict:
+def _txt_caption(member, n_images: int, prompt: str, max_chars: int, key: str) -> tuple[str, str]:
+    try:
+        text = member[3].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return "[]", error(schema.SKIP_TEXT_ENCODING, f"{key}.txt: {exc}")
+    return _caption(text, n_images, prompt, max_chars, f"{key}.txt")
+
+
+def _row(rel: str, key: str, members: list, problem: str, max_chars: int, prompt: str = "") -> dict:
     where = f"{rel}/{key}"
     record = [m for m in members if m[1] == RECORD_EXT]
     text = [m for m in members if m[1] == TEXT_EXT]
@@ -128,12 +160,18 @@ def _row(rel: str, key: str, members: list, problem: str, max_chars: int) -> dic
             else:
                 uid = rec.get("id")
                 sid = sample_id(where, None if str(uid) == key else uid)
-                conv, err = _record_conversation(rec, max_chars)
+                if not is_download_metadata(rec):
+                    conv, err = _record_conversation(rec, len(blobs), prompt, max_chars, key)
+                elif text:
+                    conv, err = _txt_caption(text[0], len(blobs), prompt, max_chars, key)
+                elif isinstance(rec.get("caption"), str):
+                    conv, err = _caption(rec["caption"], len(blobs), prompt, max_chars, f"{key}.json caption")
+                else:
+                    err = error(schema.SKIP_MALFORMED_RECORD, f"no caption: {key}.json is download metadata "
+                                "(img2dataset's url / status / sha256, not a dialogue) and there is no "
+                                f"{key}.txt (img2dataset writes one when given --caption_col)")
     elif text:
-        try:
-            conv, err = text_to_json(text[0][3].decode("utf-8"), max_chars)
-        except UnicodeDecodeError as exc:
-            err = error(schema.SKIP_TEXT_ENCODING, f"{key}.txt: {exc}")
+        conv, err = _txt_caption(text[0], len(blobs), prompt, max_chars, key)
     elif not problem:
         err = error(schema.SKIP_MALFORMED_RECORD, f"no {key}.json or {key}.txt")
     err = problem or err
@@ -144,7 +182,8 @@ def rows_of_stream(stream, rel: str, data_cfg) -> list[dict]:
     """RAW rows of one tar stream, in member order."""
     groups, problems, tail = scan(stream, rel, getattr(data_cfg, "max_file_bytes", 0))
     max_chars = getattr(data_cfg, "max_text_chars", 0)
-    rows = [_row(rel, key, members, problems.get(key, ""), max_chars) for key, members in groups.items()]
+    prompt = getattr(data_cfg, "caption_prompt", "") or ""
+    rows = [_row(rel, key, members, problems.get(key, ""), max_chars, prompt) for key, members in groups.items()]
     if tail:
         rows.append(raw_row(f"{rel}:unreadable-tail", read_error=tail))
     return rows
