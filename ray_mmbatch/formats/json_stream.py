@@ -10,9 +10,10 @@ JSON list: each block is decoded as latin-1, so character i of the window is byt
 offsets stay byte offsets; multi-byte UTF-8 text only ever sits inside JSON strings, whose delimiters
 (``"`` and ``\\``) are ASCII, so the C scanner of ``json`` finds the same record boundaries it would
 find in the decoded text. A record is scanned from its first byte; one cut by the end of the window
-is scanned again once the next block is in (memory: the largest record plus one block). Between
-records only whitespace and one comma may stand. Cost: one C-speed scan of every byte (about
-270 MB/s on this machine's cores, the figures in benchmarks/RESULTS.md "JSON / JSON Lines listing").
+is scanned again once the next block is in (memory: the largest record plus a few blocks). Between
+records only whitespace and one comma may stand. Cost: O(file bytes), one pass of json's C scanner
+over every byte plus a few Python steps per record (figures: benchmarks/RESULTS.md, "Big LLaVA
+JSON / JSON Lines start-up", measured by benchmarks/bench_startup_json.py).
 
 JSON Lines: record boundaries are line starts (numpy finds every newline of a block); blank lines
 (whitespace only) are not records, as before. Nothing is parsed unless ids are counted (below):
