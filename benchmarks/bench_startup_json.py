@@ -32,6 +32,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,7 @@ def train(path: Path, image_root: Path, out_dir: Path, timeout: int) -> dict:
     cmd = ["/usr/bin/time", "-v", sys.executable, str(REPO / "jobs" / "train.py"), "--data", str(path),
            "--image-root", str(image_root), "--max-steps", "1", "--max-tokens", "2048", "--d-model", "64",
            "--n-layers", "1", "--vision-layers", "1", "--output-dir", str(out_dir)]
+    shutil.rmtree(out_dir, ignore_errors=True)  # a run folder left over would resume, not start
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     metrics, first, hwm, driver = out_dir / "metrics.jsonl", None, 0, None

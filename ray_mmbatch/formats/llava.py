@@ -39,8 +39,10 @@ from ray_mmbatch.formats.records import conversations_to_json, error, raw_row, s
 
 EXTS = (".json", ".jsonl")
 INDEX_NAMES = ("data.json", "data.jsonl")
-CHUNK = 512
+CHUNK = 1024
 IDS_MAX_LINES_BYTES = 2**30
+CACHE_MIN_BYTES, CACHE_FILES = 64 * 2**20, 2
+_listed: dict[tuple, list[dict]] = {}
 log = logging.getLogger("ray_mmbatch.formats")
 
 
@@ -80,7 +82,24 @@ def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
 
 
 def file_units(location: str, image_root: str, chunk: int = CHUNK, block: int = json_stream.BLOCK) -> list[dict]:
-    """The read units of one JSON / JSONL file: byte ranges of ``chunk`` records (+ the broken tail's unit)."""
+    """The read units of one JSON / JSONL file: byte ranges of ``chunk`` records (+ the broken tail's unit).
+
+    A file of CACHE_MIN_BYTES or more is listed once per process while its size and modification time
+    stand (the driver lists a dataset several times before the first step: pre-flight, the listing
+    digest, the pipeline); the last CACHE_FILES listings are kept (about 50 bytes a unit)."""
+    fs_, path = fs.split(location)
+    info = fs_.get_file_info(path)
+    key = (location, image_root, chunk, block, info.size, info.mtime_ns)
+    if (info.size or 0) < CACHE_MIN_BYTES:
+        return _file_units(location, image_root, chunk, block)
+    if key not in _listed:
+        _listed[key] = _file_units(location, image_root, chunk, block)
+        while len(_listed) > CACHE_FILES:
+            _listed.pop(next(iter(_listed)))
+    return [dict(u) for u in _listed[key]]
+
+
+def _file_units(location: str, image_root: str, chunk: int, block: int) -> list[dict]:
     rel = fs.relative(location, fs.dirname(location))
     lines = location.lower().endswith(".jsonl")
     ids = None if lines and fs.size(location) > IDS_MAX_LINES_BYTES else json_stream.IdTally()
