@@ -37,6 +37,7 @@ EXTS = (".arrow",)
 UNIT_ROWS = 2048
 UNIT_BYTES = 64 << 20
 FILE_MAGIC = b"ARROW1"
+STREAM_BUFFER = 8 << 20  # listing a shard on an object store: one request per 8 MiB, not one per message part
 
 
 def _open(path: str):
@@ -59,11 +60,34 @@ def _has_dictionaries(arrow_schema: pa.Schema) -> bool:
     return any(walk(f.type) for f in arrow_schema)
 
 
+class _Counted:
+    """A stream that knows how many bytes it has given (an object store's input stream cannot ``tell``)."""
+
+    def __init__(self, raw):
+        self.raw, self.pos, self.closed = raw, 0, False
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.raw.read(n)
+        self.pos += len(data)
+        return data
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.closed = True
+        self.raw.close()
+
+
 def _stream_batches(path: str):
     """(schema, [(start byte, end byte, batch)], dictionaries?) of an IPC stream; raises ValueError when the
     stream ends without its end-of-stream marker (a shard cut at a batch boundary reads as shorter, silently,
     otherwise)."""
-    source = _open(path) if not fs.is_uri(path) else fs.open_input(path)
+    source = _open(path) if not fs.is_uri(path) else \
+        pa.PythonFile(_Counted(pa.BufferedInputStream(fs.open_input(path), STREAM_BUFFER)), mode="r")
     with source:
         reader = pa.ipc.open_stream(source)
         dicts = _has_dictionaries(reader.schema)
@@ -90,7 +114,7 @@ def _file_batches(path: str):
 def _file_units(path: str, root: str, data_cfg) -> list[dict]:
     rel = fs.relative(path, root)
     base = {"path": path, "rel": rel, "error": "", "ipc": "stream", "batch": 0, "batches": 0, "offset": -1,
-            "end": -1, "row_offset": 0, "rows": 1, "filtered": 0, "columns": "", "read_as": ""}
+            "length": -1, "row_offset": 0, "rows": 1, "filtered": 0, "columns": "", "read_as": ""}
     if fs.kind(path) != "file":
         return [dict(base, error="not a regular file (dangling link, FIFO or device): never opened")]
     clauses = filters.parse(getattr(data_cfg, "filter", ""))
@@ -119,7 +143,8 @@ def _file_units(path: str, root: str, data_cfg) -> list[dict]:
             i += 1
         seekable = ipc == "stream" and not dicts
         units.append(dict(base, batch=first, batches=i - first, row_offset=row, rows=n_kept, filtered=n_rows - n_kept,
-                          offset=batches[first][0] if seekable else -1, end=batches[i - 1][1] if seekable else -1))
+                          offset=batches[first][0] if seekable else -1,
+                          length=batches[i - 1][1] - batches[first][0] if seekable else -1))
         row += n_rows
     return units
 
@@ -151,9 +176,11 @@ def _unit_batches(unit: dict) -> list[pa.RecordBatch]:
             return [reader.get_batch(k) for k in range(first, first + n)]
         if int(unit["offset"]) < 0:  # dictionaries before the batches: replay the stream from its start
             reader = pa.ipc.open_stream(f)
-            return [b for k, b in enumerate(reader) if first <= k < first + n][:n]
+            for _ in range(first):
+                reader.read_next_batch()
+            return [reader.read_next_batch() for _ in range(n)]
         arrow_schema = pa.ipc.open_stream(f).schema
-        body = f.read_at(int(unit["end"]) - int(unit["offset"]), int(unit["offset"]))
+        body = f.read_at(int(unit["length"]), int(unit["offset"]))
     messages = pa.ipc.MessageReader.open_stream(pa.BufferReader(body))
     return [pa.ipc.read_record_batch(messages.read_next_message(), arrow_schema) for _ in range(n)]
 
