@@ -156,3 +156,26 @@ def test_inspect_reports_layout_splits_and_filtered(ray_cluster, tmp_path):
 def test_conversations_json_layout_unchanged(tmp_path):
     pq.write_table(pa.table({"conversations": [json.dumps(CONV)]}), tmp_path / "t.parquet")
     assert json.loads(raw_rows(tmp_path)[0][S.CONVERSATIONS]) == CONV
+
+
+def test_dictionary_text_and_cache_files(tmp_path):
+    """A categorical (dictionary<string>) caption column is a caption; the datasets cache's cache-*.arrow files
+    beside save_to_disk shards, and img2dataset's bookkeeping beside tars, are never data."""
+    from ray_mmbatch import formats
+
+    captions = pa.array(["a cat", "a dog", "a cat"]).dictionary_encode()
+    pq.write_table(pa.table({"caption": captions}), tmp_path / "c.parquet")
+    rows = raw_rows(tmp_path)
+    assert [json.loads(r[S.CONVERSATIONS])[0]["value"] for r in rows] == ["a cat", "a dog", "a cat"]
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    for name in ("data-00000-of-00001.arrow", "cache-1a2b3c.arrow"):
+        (saved / name).write_bytes(b"")
+    (saved / "state.json").write_text("{}")
+    assert [p.rsplit("/", 1)[-1] for p in formats.resolve(str(saved))[2]] == ["data-00000-of-00001.arrow"]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("00000.tar", "00000.parquet", "00000_stats.json"):
+        (shards / name).write_bytes(b"")
+    fmt, _, files = formats.resolve(str(shards))
+    assert fmt == "webdataset" and [p.rsplit("/", 1)[-1] for p in files] == ["00000.tar"]

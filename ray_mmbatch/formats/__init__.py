@@ -71,11 +71,13 @@ def _is_glob(location: str) -> bool:
         return True
 
 
-def _img2dataset_bookkeeping(files: list[str]) -> set[str]:
-    """img2dataset's NNNNN.parquet / NNNNN_stats.json beside each NNNNN.tar: bookkeeping, never data."""
+def _bookkeeping(files: list[str]) -> set[str]:
+    """Files beside the data that are never data: img2dataset's NNNNN.parquet / NNNNN_stats.json beside each
+    NNNNN.tar, and the ``datasets`` library's cache files (cache-*.arrow) in a save_to_disk folder."""
     tars = {f[:-4] for f in files if f.lower().endswith(".tar")}
     return {f for f in files if (f.lower().endswith(".parquet") and f[:-8] in tars)
-            or (f.lower().endswith("_stats.json") and f[:-11] in tars)}
+            or (f.lower().endswith("_stats.json") and f[:-11] in tars)
+            or (f.lower().endswith(".arrow") and os.path.basename(f).startswith("cache-"))}
 
 
 def resolve(location: str, fmt: str = "auto", split: str = "train") -> tuple[str, str, list[str]]:
@@ -93,7 +95,7 @@ def resolve(location: str, fmt: str = "auto", split: str = "train") -> tuple[str
             index = [fs.join(root, n) for n in llava.INDEX_NAMES if n in names]
             if index:
                 return "llava", root, index[:1]
-        skip = _img2dataset_bookkeeping(every)
+        skip = _bookkeeping(every)
         every = splits.select(root, [f for f in every if f not in skip], split)
         for candidate in (_AUTO_ORDER if fmt == "auto" else (fmt,)):
             if candidate not in FORMATS:

@@ -154,13 +154,7 @@ def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
     threads = 16 if files and fs.is_uri(files[0]) else 4
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(files)))) as pool:
         units = [u for us in pool.map(lambda f: _file_units(f, root, data_cfg), files) for u in us]
-    if units and all(u["error"].startswith(("no text column", "text column")) for u in units):
-        raise ValueError(f"{root}: text column {data_cfg.text_column!r} not found in any file; "
-                         f"{units[0]['rel']}: {units[0]['error']} (set --text-column)")
-    urls = [u for u in units if "holds image URLs" in u["error"]]
-    if urls and len(urls) == len(units):
-        raise ValueError(f"{root}: {urls[0]['rel']}: {urls[0]['error']}")
-    return units
+    return parquet.check_units(units, root, data_cfg)
 
 
 def count(units: list[dict], data_cfg) -> int:

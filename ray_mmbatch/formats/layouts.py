@@ -60,7 +60,9 @@ def _list_value(t: pa.DataType) -> pa.DataType | None:
 
 
 def _is_string(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
+    if pa.types.is_dictionary(t):  # pyarrow / pandas write categorical text as dictionary<string>
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
 class Conversations:

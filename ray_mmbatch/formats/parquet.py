@@ -99,6 +99,12 @@ def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
     with ThreadPoolExecutor(max_workers=min(threads, max(1, len(files)))) as pool:
         per_file = list(pool.map(lambda f: _file_units(f, root, data_cfg), files))
     units = [u for us in per_file for u in us]
+    return check_units(units, root, data_cfg)
+
+
+def check_units(units: list[dict], root: str, data_cfg) -> list[dict]:
+    """Refuse at start a listing where no file can be read for the same reason (no text column, only image
+    URLs, no --filter column): a wrong flag, not a few bad files. Parquet and Arrow listings."""
     if units and all(u["error"].startswith(("no text column", "text column")) for u in units):
         raise ValueError(f"{root}: text column {data_cfg.text_column!r} not found in any file; "
                          f"{units[0]['rel']}: {units[0]['error']} (set --text-column)")

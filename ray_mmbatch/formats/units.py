@@ -131,13 +131,15 @@ def read_source_units(units: pa.Table, sources: list, blend=None, epoch: int = 0
 
 def listing_digest(units: list[dict]) -> str:
     """What the data position's unit indices refer to: each unit's relative path, row group, row
-    offset and row count (and a CRC of a LLaVA chunk's records), hashed; the same wherever the
+    offset and row count (and a byte-range unit's offset and length), hashed; the same wherever the
     data is mounted (a local copy and its bucket give the same digest)."""
     h = hashlib.sha256()
     for u in units:
         rec = u.get("records")
         key = [u.get("rel", ""), u.get("row_group", -1), u.get("row_offset", -1), u.get("rows", -1),
                zlib.crc32(rec.encode()) if isinstance(rec, str) else -1]
+        if "offset" in u:  # a byte-range unit (JSON / JSON Lines, Arrow): where its bytes lie, too
+            key += [u.get("offset"), u.get("length")]
         if "source" in u:  # several sources (formats/sources.py): which one, too
             key.append(u["source"])
         h.update(json.dumps(key).encode())
