@@ -65,13 +65,18 @@ def _is_string(t: pa.DataType) -> bool:
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
 
 
-class Conversations:
-    name, shape = "conversations", "[{from, value}]"
+class _ListOfStructs:
+    """A layout told by its type: a list of structs holding ``fields``."""
+    fields: frozenset = frozenset()
 
-    @staticmethod
-    def detect(t: pa.DataType) -> bool:
+    @classmethod
+    def detect(cls, t: pa.DataType) -> bool:
         v = _list_value(t)
-        return v is not None and {"from", "value"} <= _struct_names(v)
+        return v is not None and cls.fields <= _struct_names(v)
+
+
+class Conversations(_ListOfStructs):
+    name, shape, fields = "conversations", "[{from, value}]", frozenset({"from", "value"})
 
     @staticmethod
     def turns(value, caption_prompt: str = "") -> list:
@@ -85,23 +90,13 @@ class Conversations:
 
 class Messages(Conversations):
     """HF messages; an image part with an ``index`` names its image (``image_order`` reorders to match)."""
-    name, shape = "messages", "[{role, content}]"
-
-    @staticmethod
-    def detect(t: pa.DataType) -> bool:
-        v = _list_value(t)
-        return v is not None and {"role", "content"} <= _struct_names(v)
+    name, shape, fields = "messages", "[{role, content}]", frozenset({"role", "content"})
 
 
-class Texts:
+class Texts(_ListOfStructs):
     """The Cauldron / FineVision / Docmatix: each {user, assistant} is a user and an assistant turn; the
     row's images go before the first user text (torchtune TheCauldronToMessages, HF's Idefics2 recipe)."""
-    name, shape = "texts", "[{user, assistant}]"
-
-    @staticmethod
-    def detect(t: pa.DataType) -> bool:
-        v = _list_value(t)
-        return v is not None and {"user", "assistant"} <= _struct_names(v)
+    name, shape, fields = "texts", "[{user, assistant}]", frozenset({"user", "assistant"})
 
     @staticmethod
     def turns(value, caption_prompt: str = "", n_images: int = 0) -> list:
