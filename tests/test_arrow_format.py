@@ -7,6 +7,7 @@ import io
 import json
 import shutil
 
+import datasets  # a dev dependency (pyproject.toml)
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -18,7 +19,6 @@ from ray_mmbatch.formats import arrow
 from ray_mmbatch.formats.end_of_stream import with_end_unit
 from ray_mmbatch.formats.units import count_samples, read_units
 
-datasets = pytest.importorskip("datasets")
 ROWS = 14
 SHARD0 = "data-00000-of-00002.arrow"
 SHARD1 = "data-00001-of-00002.arrow"

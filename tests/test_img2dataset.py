@@ -10,14 +10,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import webdataset  # a dev dependency (pyproject.toml)
 from PIL import Image
 
 from ray_mmbatch import formats, schema
 from ray_mmbatch.config import DataConfig
 from ray_mmbatch.formats.end_of_stream import with_end_unit
 from ray_mmbatch.formats.units import count_samples, read_units
-
-webdataset = pytest.importorskip("webdataset")
 
 FAILED = {3, 6, 9}  # rows whose download failed: img2dataset leaves them out of the tar
 SHARDS, PER_SHARD = 2, 8
