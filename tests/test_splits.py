@@ -55,6 +55,11 @@ def test_split_trap_trains_the_train_split_only_and_evaluates_another(tmp_path):
     assert len(raw_rows(ev.data.path, ev.data)) == 3
     summary = listing_summary(read_units(str(tmp_path), DataConfig()), DataConfig(path=str(tmp_path)))
     assert summary["splits"] == {str(tmp_path): {"found": {"test": 1, "train": 2, "validation": 1}, "read": "train"}}
+    only = tmp_path / "only"  # a held-out folder whose files all say train: its one split is the held-out set
+    _split_folder(only, (("train-00000-of-00001", 4),))
+    cfg.data.eval_data = str(only)
+    ev, _ = eval_source(cfg)
+    assert len(raw_rows(ev.data.path, ev.data)) == 4
 
 
 def test_a_missing_split_is_refused_naming_the_ones_there(tmp_path):

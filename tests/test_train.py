@@ -91,7 +91,7 @@ def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet,
     assert read_latest_position(out)["listing"] == listing_digest(read_units(str(data), cfg.data)[0])
     changed = tmp_path / "changed"
     shutil.copytree(data, changed)
-    shutil.copy(next(changed.glob("*.parquet")), changed / "zz-extra.parquet")
+    shutil.copy(next(changed.glob("*.parquet")), changed / "train-zz-extra.parquet")  # a train file (splits.py)
     with pytest.raises(ValueError, match="read units changed since the checkpoint"):
         run_training(_cfg(changed, out, num_workers=2, max_steps=0, epochs=2))
 

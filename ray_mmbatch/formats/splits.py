@@ -10,8 +10,8 @@ A folder from ``huggingface_hub.snapshot_download`` or ``git clone`` holds its s
 
 Reading every file would train on the test and validation splits. ``select`` keeps the files of the
 chosen split (``data.split``, ``--split``, default "train"; ``PATH#split=NAME``; ``--eval-data``
-reads the validation split, else the test split, unless it names one) and never lists the others to a
-reader; a folder with no split names is read whole, as before. Like HF ``datasets``
+reads the validation split, else the test split, else a folder's only split, unless it names one)
+and never lists the others to a reader; a folder with no split names is read whole, as before. Like HF ``datasets``
 (its data_files patterns), the keywords are aliases: validation = valid / val / dev, test = testing /
 eval / evaluation, train = training; a ``{name}-NNNNN-of-NNNNN`` file keeps its own name (custom
 splits such as ``train_sft``). In a folder with split names, files that name no split are not read
@@ -100,7 +100,8 @@ def select(root: str, files: list[str], split: str) -> list[str]:
     want = canonical(split or "train")
     if want == HELD_OUT:
         have = found(root, files)
-        want = "validation" if "validation" in have else "test" if "test" in have else "validation"
+        want = ("validation" if "validation" in have else "test" if "test" in have
+                else next(iter(have)) if len(have) == 1 else "validation")  # a folder of one split: that one
     keep = [f for f in files if named[f] == want]
     if not keep:
         have = found(root, files)
