@@ -51,3 +51,39 @@ def test_inspect_headers_only_finds_all_but_pixel_damage(ray_cluster, tmp_path):
     assert corrupt == sum(1 for r in manifest["bad"].values() if r == SKIP_CORRUPT_IMAGE) > 0
     assert SKIP_CORRUPT_IMAGE not in off["skipped"] and off["skipped"] == on["skipped"]
     assert off["samples_ok"] == on["samples_ok"] + corrupt and off["tokens"]["sum"] >= on["tokens"]["sum"]
+
+
+# Ray 2.60's warning (actor_pool_map_operator.py) on a dataset of one block and a pool of min size 2
+RAY_MIN_ACTORS_WARNING = ("The minimum number of concurrent actors for 'MapBatches(read_with_position)->Project->"
+                          "MapBatches(InspectStage)' is set to 2, but the operator only received 1 input(s). This "
+                          "means that the operator can launch at most 1 task(s), and won't fully utilize the "
+                          "available concurrency.")
+
+
+def test_inspect_command_shows_progress_and_no_ray_scheduling_warning(ray_cluster, tmp_path, capsys, recwarn,
+                                                                     monkeypatch):
+    """The real command on one row group (one block for a pool of 2 actors: Ray warns): progress lines with
+    done / total on stderr, the JSON summary alone on stdout, Ray's scheduling UserWarning nowhere."""
+    import json
+    import re
+
+    from ray_mmbatch.commands import inspect_data
+    from ray_mmbatch.run import raylogs
+
+    monkeypatch.setattr(raylogs, "_filter_stderr", lambda: None)  # keep pytest's fd 2 (the command pipes it)
+    monkeypatch.setattr(raylogs, "_state", dict(raylogs._state))
+    monkeypatch.setenv("RAY_MMBATCH_QUIET", "1")
+    assert re.match(raylogs.RAY_USER_WARNINGS[0], RAY_MIN_ACTORS_WARNING)  # the filter still names Ray's text
+    forwarded = [f"/x/actor_pool_map_operator.py:551: UserWarning: {RAY_MIN_ACTORS_WARNING}", "  warnings.warn(",
+                 "/x/mine.py:3: UserWarning: your own"]
+    assert raylogs.filter_lines(forwarded) == forwarded[2:]
+    generate_dataset(str(tmp_path / "d"), 40, "parquet", seed=3, shard_size=40, workers=1)
+    rc = inspect_data.main(["--data", str(tmp_path / "d" / "train-00000-of-00001.parquet"),
+                            "--progress-every", "0.5"])
+    out = capsys.readouterr()
+    assert rc == 0
+    assert json.loads(out.out)["samples_read"] == 40
+    assert re.search(r"^\[inspect\] 40/40 samples \(100\.0%\)  [\d.]+ samples/s  \d\d:\d\d elapsed, eta 00:00$",
+                     out.err, re.M), out.err
+    assert "concurrent actors" not in out.err + out.out
+    assert not [w for w in recwarn.list if "concurrent actors" in str(w.message)]

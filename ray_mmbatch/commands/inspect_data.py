@@ -21,6 +21,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--decode", choices=("auto", "on", "off"), default="auto",
                         help="decode every image too (finds corrupt pixel data; checks materialized lengths): "
                              "'auto' = on up to 50,000 samples, headers only above (default: auto)")
+    parser.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
+                        help="when stderr is not a terminal (a log), one progress line every this many seconds "
+                             "(default: 5); on a terminal the line is redrawn in place")
     add_console_flags(parser)
     return parser
 
@@ -34,7 +37,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ray_mmbatch.run.preflight import PreflightError, TooManySkippedAtStart, preflight
     from ray_mmbatch.run.raylogs import quiet_ray
 
-    quiet_ray(args.verbose)
+    tty = sys.stderr.isatty()
+    quiet_ray(args.verbose, own_progress=True)
     warning = ""
     try:
         preflight(cfg)
@@ -44,10 +48,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
         return 2
     from ray_mmbatch.dataflow.inspection import inspect_dataset
+    from ray_mmbatch.run.progress import Progress
     from ray_mmbatch.train.trainer import connect
 
     connect()
-    summary = inspect_dataset(cfg, args.decode)
+    # on stderr: stdout is the JSON summary. Its terminal test from before quiet_ray piped fd 2
+    with Progress("inspect", stream=sys.stderr, tty=tty, log_every_s=args.progress_every) as meter:
+        summary = inspect_dataset(cfg, args.decode, progress=meter)
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:

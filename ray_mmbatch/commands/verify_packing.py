@@ -37,6 +37,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--grad-tolerance", type=float, default=None,
                         help="largest allowed ||g_planned - g_alone|| / ||g_alone|| per batch "
                              "(default: 1e-4 fp32, 0.05 bf16)")
+    parser.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
+                        help="when stderr is not a terminal (a log), one progress line every this many seconds "
+                             "(default: 5); on a terminal the line is redrawn in place")
     return parser
 
 
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ray_mmbatch import local_batches
     from ray_mmbatch.models import configure, get_backend, token_ids
     from ray_mmbatch.models import trainable as T
+    from ray_mmbatch.run.progress import Progress, counted
     from ray_mmbatch.run.verify import verify
 
     if args.adapter and int(cfg.model.lora_rank):
@@ -66,9 +70,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         T.configure_trainable(model, cfg)
     model = model.to(args.device)
     lora = hasattr(model, "lora_config")
-    report = verify(model, local_batches(cfg, limit=args.batches), ids["pad_id"], args.device,
-                    cfg.train.precision if cfg.train.precision != "auto" else "fp32", args.tolerance,
-                    grads=args.grads == "on" or (args.grads == "auto" and lora), grad_tolerance=args.grad_tolerance)
+    with Progress("verify-packing", total=args.batches, unit="batches", stream=sys.stderr,
+                  log_every_s=args.progress_every) as meter:  # stdout: the JSON report
+        report = verify(model, counted(local_batches(cfg, limit=args.batches), meter), ids["pad_id"], args.device,
+                        cfg.train.precision if cfg.train.precision != "auto" else "fp32", args.tolerance,
+                        grads=args.grads == "on" or (args.grads == "auto" and lora),
+                        grad_tolerance=args.grad_tolerance)
     report["model"] = cfg.model.path or "builtin (random init)"
     if lora:
         c = model.lora_config

@@ -116,12 +116,14 @@ DECODE_AUTO_MAX = 50_000
 """``decode="auto"``: decode every image (materialize) up to this many samples; above it, headers only."""
 
 
-def inspect_dataset(cfg: Config, decode: str = "auto") -> dict[str, Any]:
+def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[str, Any]:
     """read -> measure (-> materialize) every sample; a JSON-able summary for choosing budgets.
 
     ``decode``: 'on' decodes every image (finds corrupt pixel data, checks that materialized lengths equal
     the measured ones), 'off' reads image headers only (sizes, formats, bombs: what the budgets need; a
-    665k-record set in minutes), 'auto' = on up to DECODE_AUTO_MAX samples."""
+    665k-record set in minutes), 'auto' = on up to DECODE_AUTO_MAX samples.
+    ``progress`` (run/progress.Progress): its ``total`` is set from the listing (left None where the
+    listing only guesses, WebDataset shards) and it is updated with the rows of each block as it arrives."""
     import time
 
     from ray_mmbatch.dataflow.read import read_raw
@@ -145,15 +147,19 @@ def inspect_dataset(cfg: Config, decode: str = "auto") -> dict[str, Any]:
     if decode not in ("auto", "on", "off"):
         raise ValueError(f"decode must be auto, on or off, got {decode!r}")
     listed = _rows_listed(reader)
+    if progress is not None:
+        progress.total = listed if _listed_exactly(reader) else None
     decoding = decode == "on" or (decode == "auto" and listed <= DECODE_AUTO_MAX)
     ds = read_raw(data.path, data, reader=reader).map_batches(
         InspectStage, batch_size=None, batch_format="pyarrow",
         fn_constructor_args=(cfg.image, cfg.text, cfg.data.measure_batch, decoding),
         compute=ray.data.ActorPoolStrategy(min_size=workers, max_size=workers), **stage_args(cfg))
     cols: dict[str, list] = {}
-    for b in ds.iter_batches(batch_size=4096, batch_format="numpy"):
+    for b in ds.iter_batches(batch_size=None, batch_format="numpy"):  # a block as it comes: progress
         for k, v in b.items():
             cols.setdefault(k, []).extend(v.tolist())
+        if progress is not None:
+            progress.update(len(b.get(S.SAMPLE_ID, ())))
     wall = time.perf_counter() - t0
     reasons = np.array(cols.get(S.SKIP_REASON, []), dtype=object)
     ok = np.array([not r for r in reasons], dtype=bool)
@@ -212,6 +218,12 @@ def _rows_listed(reader: tuple) -> int:
         mine = [u for u in units if int(u.get(SOURCE, 0)) == k]
         total += len(mine) * SHARD_ROWS if fmt == "webdataset" else formats.FORMATS[fmt].count(mine, cfg)
     return total
+
+
+def _listed_exactly(reader: tuple) -> bool:
+    """Whether ``_rows_listed`` is a count (every format but WebDataset, whose shards it guesses)."""
+    units, _, kwargs = reader
+    return all(fmt != "webdataset" for _, fmt, _ in (kwargs.get("sources") or [("", kwargs["fmt"], None)]))
 
 
 SHARD_ROWS = 1_000  # a WebDataset shard's samples, as --decode auto guesses them (img2dataset writes 10,000)

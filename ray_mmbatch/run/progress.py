@@ -2,17 +2,21 @@
 
 ``ProgressPrinter`` follows OUTPUT_DIR/metrics.jsonl (which the driver writes from what rank 0
 sends through Ray, train/events.py) and prints one line per report, or redraws one line when
-stdout is a terminal; ``format_summary`` is the end-of-run table. Pure (no Ray).
+stdout is a terminal; ``format_summary`` is the end-of-run table. ``Progress`` is the meter of
+the other long commands (inspect, prepare, verify-packing): done / total, rate and ETA. Pure (no Ray).
 """
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ray_mmbatch.run.rundir import RunDir, read_jsonl_from
+
+T = TypeVar("T")
 
 
 def _fmt_time(s: float | None) -> str:
@@ -122,6 +126,105 @@ class ProgressPrinter:
             self.stream.write(line + "\n")
         self.stream.flush()
         self.printed += 1
+
+
+class Progress:
+    """A meter for a long command: ``[inspect] 12.3k/665.0k samples (1.9%)  512 samples/s  00:24 elapsed, eta 21:15``.
+
+    ``update(n)`` counts work done and prints when due: on a terminal the line is redrawn in place at
+    most every ``redraw_s``; elsewhere (a log) one line every ``log_every_s``. ``tick()`` prints when
+    due without counting (the heartbeat: used as a context manager, a thread ticks, so a command whose
+    first result is minutes away still prints). ``total`` None (or passed): done and rate, no ETA.
+    The rate runs from the first update (start-up, e.g. actors loading, left out) once a second one
+    came, else from the start. Pure: the stream, the terminal test and the clock are injected.
+    """
+
+    def __init__(self, label: str, total: int | None = None, unit: str = "samples", stream=None,
+                 tty: bool | None = None, log_every_s: float = 5.0, redraw_s: float = 0.25, clock=time.monotonic):
+        self.label, self.total, self.unit = label, total, unit
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)()) if tty is None else bool(tty)
+        self.every = redraw_s if self.tty else log_every_s
+        self.clock = clock
+        self.t0 = self._last = clock()
+        self.done = 0
+        self._first: tuple[float, int] | None = None  # (time, done) at the first update
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.printed = 0
+
+    def rate(self, now: float) -> float:
+        if self._first is not None and self.done > self._first[1] and now > self._first[0]:
+            return (self.done - self._first[1]) / (now - self._first[0])
+        return self.done / (now - self.t0) if now > self.t0 else 0.0
+
+    def line(self, now: float | None = None) -> str:
+        now = self.clock() if now is None else now
+        if not self.done:  # nothing came yet: no rate to show (start-up: actors, tokenizer, first read)
+            of = f"/{_fmt_num(self.total)}" if self.total else ""
+            return f"[{self.label}] 0{of} {self.unit}, starting ({_fmt_time(now - self.t0)} elapsed)"
+        rate = self.rate(now)
+        total = self.total if self.total and self.done <= self.total else None  # a low guess: no ETA
+        where = f"{_fmt_num(self.done)}/{_fmt_num(total)} {self.unit} ({100 * self.done / total:.1f}%)" \
+            if total else f"{_fmt_num(self.done)} {self.unit}"
+        eta = f", eta {_fmt_time((total - self.done) / rate if rate > 0 else None)}" if total else ""
+        return (f"[{self.label}] {where}  {_fmt_num(rate) if rate >= 10 else f'{rate:.1f}'} {self.unit}/s  "
+                f"{_fmt_time(now - self.t0)} elapsed{eta}")
+
+    def update(self, n: int = 1) -> None:
+        with self._lock:
+            now = self.clock()
+            self.done += int(n)
+            if self._first is None:
+                self._first = (now, self.done)
+            self._show_if_due(now)
+
+    def tick(self) -> None:
+        with self._lock:
+            self._show_if_due(self.clock())
+
+    def _show_if_due(self, now: float) -> None:
+        if now - self._last >= self.every:
+            self._show(now)
+
+    def _show(self, now: float) -> None:
+        self._last = now
+        text = self.line(now)
+        self.stream.write("\r\033[K" + text if self.tty else text + "\n")
+        self.stream.flush()
+        self.printed += 1
+
+    def close(self) -> None:
+        """The last line (always), and the end of the redrawn one."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._show(self.clock())
+            if self.tty:
+                self.stream.write("\n")
+                self.stream.flush()
+
+    def __enter__(self) -> Progress:
+        def beat() -> None:
+            while not self._stop.wait(max(0.05, min(self.every, 1.0))):
+                self.tick()
+
+        self._thread = threading.Thread(target=beat, name="ray_mmbatch_meter", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def counted(items: Iterable[T], meter: Progress) -> Iterator[T]:
+    """Yield ``items``, counting one on ``meter`` when the next is asked for: the work done with the one
+    before is finished then (a consumer's loop body is what takes the time)."""
+    for item in items:
+        yield item
+        meter.update(1)
 
 
 def format_summary(summary: dict[str, Any], out_dir: str | Path) -> str:

@@ -9,7 +9,8 @@ driver's console while Ray's log files under ``/tmp/ray/session_*/logs`` keep ev
   Data execution plans, Ray's own deprecation warnings); anything not on the list, a
   user warning, an error or a traceback, still shows;
 - the driver's ``ray`` loggers show WARNING and up (Ray Data's file log keeps DEBUG);
-- Ray's deprecation warnings raised in the driver are ignored;
+- Ray's deprecation warnings raised in the driver are ignored, and its scheduling UserWarnings
+  (``RAY_USER_WARNINGS``, by message: a user's own UserWarning still shows);
 - the driver's own stderr (fd 2, where Ray's C++ core prints, e.g. ``core_worker.cc`` and
   the token-authentication note) passes the same deny-list through a pipe.
 
@@ -51,8 +52,12 @@ NOISE_WITH_TRACEBACK = re.compile("|".join((
     r"Failed to send resource request for train-",            # Train V2 autoscaling coordinator, CPU busy
 )))
 TRACEBACK_LINE = re.compile(r"^(Traceback \(most recent call last\):|\s|[\w.]+(Error|Exception|Interrupt)\b)")
+# Ray's UserWarnings about how it schedules, not about the user's run (message starts): e.g. an actor pool
+# of min size 2 given a dataset of one block (inspect on a two-row set)
+RAY_USER_WARNINGS = (r"The minimum number of concurrent actors for .* is set to \d+, but the operator only received",)
 # Python warnings of these categories come with a message line or two and the source line
-WARNING_HEADER = re.compile(r"\.py:\d+: (Ray)?DeprecationWarning: ")
+WARNING_HEADER = re.compile(r"\.py:\d+: ((Ray)?DeprecationWarning: |UserWarning: ("
+                            + "|".join(RAY_USER_WARNINGS) + "))")
 NOISY_ACTORS = ("PlacementGroupCleaner",)
 
 _state: dict[str, Any] = {"verbose": True, "own_progress": False}
@@ -114,6 +119,8 @@ def quiet_ray(verbose: bool = False, own_progress: bool = False) -> None:
         warnings.filterwarnings("ignore", category=RayDeprecationWarning)
     except ImportError:
         pass
+    for message in RAY_USER_WARNINGS:  # raised in the driver (Ray Data's executor runs there)
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
     for name in ("ray", "ray.train", "ray.tune", "ray.air"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # Ray Data logs DEBUG to its file and INFO to the console: raise the console's bar only

@@ -224,14 +224,22 @@ def _shard_task(args) -> dict:
     return info
 
 
+def _counted(info: dict, progress) -> dict:
+    if progress is not None:
+        progress.update(len(info["categories"]))
+    return info
+
+
 def generate_dataset(out: str, samples: int, fmt: str, seed: int = 0, shard_size: int = 1000,
-                     workers: int = 2, bad_per_kind: int = 0, parquet_style: str = "conversations") -> dict:
+                     workers: int = 2, bad_per_kind: int = 0, parquet_style: str = "conversations",
+                     progress=None) -> dict:
     """Write a dataset under ``out`` and return its manifest (also written to out/manifest.json).
 
     Manifest: format, parquet_style, samples (good ones), seed, shard_size, paths
     (relative to ``out``), ids (every sample id a reader must yield, in written
     order), mixture (count per category), bad ({id: expected skip reason}),
     bad_conditions ({id: when the reason applies}), valid_unusual ([ids]).
+    ``progress`` (run/progress.Progress): its total is set, and it counts each shard's samples as it is written.
     """
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
@@ -244,12 +252,14 @@ def generate_dataset(out: str, samples: int, fmt: str, seed: int = 0, shard_size
     entries = plan_entries(samples, seed, fmt_key, bad_per_kind)
     chunks = [entries[i:i + shard_size] for i in range(0, len(entries), shard_size)] or [[]]
     tasks = [(out, fmt, parquet_style, seed, i, len(chunks), c) for i, c in enumerate(chunks)]
+    if progress is not None:
+        progress.total = len(entries)
     if workers > 1 and len(tasks) > 1:
         # spawn, not fork: callers (tests, drivers) may hold a Ray connection whose threads must not be forked.
         with mp.get_context("spawn").Pool(min(workers, len(tasks))) as pool:
-            infos = pool.map(_shard_task, tasks, chunksize=1)
+            infos = [_counted(info, progress) for info in pool.imap(_shard_task, tasks, chunksize=1)]
     else:
-        infos = [_shard_task(t) for t in tasks]
+        infos = [_counted(_shard_task(t), progress) for t in tasks]
     paths = [p for info in infos for p in info["paths"]]
     if fmt == "llava":
         paths = [WRITERS["llava_index"](out, infos)]
