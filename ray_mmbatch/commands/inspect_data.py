@@ -2,6 +2,13 @@
 Ray Data and print a JSON summary (counts, skip reasons with example ids, token / image
 token / patch percentiles, images per sample, throughput). Use the distributions to pick
 budgets: e.g. --max-tokens at least the p99 of `tokens`.
+
+--throughput sizes the data side instead: the first --throughput-samples samples go through the
+training path's stages (read -> measure -> plan -> materialize) in this one process, timed in CPU
+seconds, and it prints samples/s per data CPU and the data CPUs that --accelerators at
+--samples-per-accelerator (or --tokens-per-accelerator) each need (docs/cluster.md's rule):
+
+    ray-mmbatch inspect --data DATA --throughput --accelerators 8 --tokens-per-accelerator 4000
 """
 from __future__ import annotations
 
@@ -24,6 +31,20 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--progress-every", type=float, default=5.0, metavar="SECONDS",
                         help="when stderr is not a terminal (a log), one progress line every this many seconds "
                              "(default: 5); on a terminal the line is redrawn in place")
+    sizing = parser.add_argument_group("sizing the data side (--throughput)")
+    sizing.add_argument("--throughput", action="store_true",
+                        help="measure samples/s per data CPU on the first --throughput-samples samples through "
+                             "the real stages (materialize included) and print the data CPUs N accelerators need, "
+                             "instead of the full data check")
+    sizing.add_argument("--throughput-samples", type=int, default=2000, metavar="N",
+                        help="samples to measure (default: 2000)")
+    sizing.add_argument("--accelerators", type=int, default=None, metavar="N",
+                        help="accelerators (GPUs) to feed; without it (or a rate) a table for 1 / 8 / 64")
+    sizing.add_argument("--samples-per-accelerator", type=float, default=None, metavar="R",
+                        help="samples/s one accelerator trains")
+    sizing.add_argument("--tokens-per-accelerator", type=float, default=None, metavar="T",
+                        help="real tokens/s one accelerator trains (the progress line's tok/s); divided by "
+                             "the measured mean tokens per sample")
     add_console_flags(parser)
     return parser
 
@@ -38,7 +59,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ray_mmbatch.run.raylogs import quiet_ray
 
     tty = sys.stderr.isatty()
-    quiet_ray(args.verbose, own_progress=True)
+    if not args.throughput:  # --throughput runs in this process: no Ray
+        quiet_ray(args.verbose, own_progress=True)
     warning = ""
     try:
         preflight(cfg)
@@ -47,6 +69,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     except PreflightError as e:
         print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
         return 2
+    if args.throughput:
+        return _throughput(cfg, args)
     from ray_mmbatch.dataflow.inspection import inspect_dataset
     from ray_mmbatch.run.progress import Progress
     from ray_mmbatch.train.trainer import connect
@@ -61,6 +85,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         Path(args.json).write_text(text)
     if warning:
         print(f"[inspect] warning: {warning}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _throughput(cfg, args) -> int:
+    from ray_mmbatch.dataflow.throughput import measure_throughput
+    from ray_mmbatch.run.progress import Progress
+    from ray_mmbatch.run.sizing import format_sizing
+
+    with Progress("inspect --throughput", total=args.throughput_samples, stream=sys.stderr,
+                  log_every_s=args.progress_every) as meter:
+        result = measure_throughput(cfg, args.throughput_samples, progress=meter)
+    per_accelerator = args.samples_per_accelerator
+    if per_accelerator is None and args.tokens_per_accelerator and result["mean_tokens"]:
+        per_accelerator = args.tokens_per_accelerator / result["mean_tokens"]
+    result["sizing"] = {"accelerators": args.accelerators, "samples_per_accelerator": per_accelerator}
+    print("[inspect] throughput on this data\n" + format_sizing(result, args.accelerators, per_accelerator),
+          flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
 

@@ -7,8 +7,9 @@
     pools.py          actor pool sizes from the cluster's nodes, and the resource pre-flight
     inspection.py     the inspect job (every sample read, measured and materialized, counted)
     local.py          local_batches: the same stages in one process, no Ray
+    throughput.py     inspect --throughput: samples per CPU second through those stages, in one process
     operator.py       batch_by_token_budget: the planners over any user's Ray Dataset
 
-stages.py, payload_store.py, pools.py and local.py import no Ray (tests/test_pure_imports.py
+stages.py, payload_store.py, pools.py, local.py and throughput.py import no Ray (tests/test_pure_imports.py
 runs local_batches without loading it); the rest is Ray's.
 """
