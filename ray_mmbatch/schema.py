@@ -94,6 +94,15 @@ BATCH_N_SAMPLES = "n_samples"          # int
 BATCH_SKIPPED = "skipped"              # str: the batch's skip records (data/errors.encode_skips)
 BATCH_POSITIONS = "positions"          # list<int64>: read position (data/position.py) of each sample id (-1: none)
 BATCH_POSITION_UNIT_ROWS = "position_unit_rows"  # list<int64>: row count of each position's read unit
+# Where the data time went (dataflow/timing.py): the stages' wall seconds travel with the data.
+# On a PLAN row [read_s, measure_s, plan_s]; on a BATCH row + [materialize_s, produced_at (unix s)].
+BATCH_DATA_TIME = "data_time"          # list<float64>: seconds of the batch's samples (skipped ones too)
+
+# ------------------------------------------------------------ stage seconds
+# Per sample, on RAW rows (read_raw(timed=True)) and LIGHT rows (MeasureStage): its share of the
+# wall seconds of the call that read / measured it (the call's time over its rows).
+READ_S = "read_s"                # float64
+MEASURE_S = "measure_s"          # float64
 
 # ---------------------------------------------------------- special tokens
 # The shipped tokenizer (assets/tokenizer) has these; any other HF tokenizer gets

@@ -12,7 +12,7 @@
                                      holder (payloads.py); a LIGHT row goes on: id, costs, read
                                      position (~100 bytes, all Arrow)
       .map_batches(CarryPlanStage,   one PLAN row per batch (ids, payload keys: Arrow lists); light rows
-                   batch_size=W)     through a seeded shuffle buffer (batching/shuffle.py), windows of
+                   one actor)        through a seeded shuffle buffer (batching/shuffle.py), windows of
                                      `budget.window` samples, under-filled batches held back into the
                                      next window (see below). No pixel passes through it
       .map_batches(MaterializeStage, one BATCH row per batch: fetch the payloads, decode + resize +
@@ -92,7 +92,8 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     reader = for_epoch(reader or read_units(cfg.data.path, cfg.data), cfg.train.seed, epoch)  # a blend's copies
     order = epoch_unit_order(reader, cfg.data, cfg.train.seed, epoch)
     ds = read_raw(cfg.data.path, cfg.data, order=order, end_marker=end_marker, done=done, reader=reader,
-                  split=train_split(cfg.data))  # --eval-split: the held-out ids are never read for training
+                  split=train_split(cfg.data),  # --eval-split: the held-out ids are never read for training
+                  timed=True)  # each row's share of its unit's read seconds (timing.py)
     return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
         MeasureStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch),
@@ -136,9 +137,12 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
             # through **ray_remote_args, which it flags as deprecated (pyproject pins ray < 2.64).
             warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
             plans = measured.map_batches(
-                CarryPlanStage, batch_size=cfg.budget.window, batch_format="numpy",
+                # batch_size=None: one measured block per call, planned as soon as it comes (the
+                # actor cuts its own windows, growing from stages.FIRST_WINDOW): a batch_size of a
+                # window would hold the first plan until a whole window was measured
+                CarryPlanStage, batch_size=None, batch_format="numpy",
                 fn_constructor_args=(cfg.budget, cfg.train.seed, epoch, shuffle_buffer_size(cfg.data),
-                                     blend_strata(reader)),
+                                     blend_strata(reader), cfg.data.shuffle_ramp),
                 num_cpus=PLAN_CPUS,
                 compute=ray.data.ActorPoolStrategy(size=1),
                 allow_out_of_order_execution=False, **stage_args(cfg))

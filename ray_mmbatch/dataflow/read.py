@@ -11,10 +11,14 @@ filesystem clients from the same environment (AWS_* etc.) the driver's cluster w
 """
 from __future__ import annotations
 
+import time
+
+import pyarrow as pa
 import ray
 
 from ray_mmbatch import schema
 from ray_mmbatch.config import DataConfig
+from ray_mmbatch.dataflow.timing import per_row
 from ray_mmbatch.formats.end_of_stream import with_end_unit
 from ray_mmbatch.formats.units import read_units, read_with_position
 
@@ -27,9 +31,16 @@ def _units_dataset(units: list[dict], blocks: int | None, order: list[int] | Non
     return ray.data.from_items(units, override_num_blocks=min(len(units), blocks or len(units)) or 1)
 
 
+def _timed_read(units: pa.Table, **kwargs) -> pa.Table:
+    """read_with_position + each row's share of the unit's read seconds (schema.READ_S, timing.py)."""
+    t0 = time.perf_counter()
+    t = read_with_position(units, **kwargs)
+    return t.append_column(schema.READ_S, pa.array(per_row(time.perf_counter() - t0, t.num_rows)))
+
+
 def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None = None,
              order: list[int] | None = None, end_marker: bool = False, done=None,
-             reader: tuple | None = None, split=None) -> ray.data.Dataset:
+             reader: tuple | None = None, split=None, timed: bool = False) -> ray.data.Dataset:
     """A Dataset of RAW rows (schema.RAW_COLUMNS + READ_POSITION_COLUMNS) for a Parquet / WebDataset / LLaVA path.
 
     ``data_cfg.format`` 'auto' guesses: a folder with data.json -> llava, *.parquet -> parquet,
@@ -37,12 +48,14 @@ def read_raw(path: str, data_cfg: DataConfig, *, override_num_blocks: int | None
     (listing indices, batching/shuffle.unit_order; None = listing order); ``end_marker``
     appends the end-of-stream row (see the module docstring); ``done`` (resume) leaves out what
     an epoch already trained (see read_with_position); ``reader``: what ``read_units`` returned,
-    when the caller listed already; ``split``: one side of the held-out split (data/split.py).
+    when the caller listed already; ``split``: one side of the held-out split (data/split.py);
+    ``timed``: + schema.READ_S, each row's share of its unit's read seconds (the training path).
     """
     units, read_fn, kwargs = reader or read_units(path, data_cfg)
     units = [dict(u, **{schema.UNIT: i}) for i, u in enumerate(units)]  # index in the sorted listing
     ds = _units_dataset(units, override_num_blocks, order, end_marker)
-    ds = ds.map_batches(read_with_position, fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done,
-                                                           "split": split},
+    ds = ds.map_batches(_timed_read if timed else read_with_position,
+                        fn_kwargs={"read_fn": read_fn, "read_kwargs": kwargs, "done": done, "split": split},
                         batch_format="pyarrow", batch_size=1)
-    return ds.select_columns(list(schema.RAW_COLUMNS + schema.READ_POSITION_COLUMNS))
+    timing = (schema.READ_S,) if timed else ()
+    return ds.select_columns(list(schema.RAW_COLUMNS + schema.READ_POSITION_COLUMNS + timing))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import BudgetConfig, DataConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.errors import SkipRecord, decode_skips, encode_skips
+from ray_mmbatch.dataflow import timing
 
 PAYLOAD_KEYS = "payload_keys"  # PLAN row: list<str>, where each sample's measured row waits (payloads.py)
 LIGHT_COLUMNS = (S.SAMPLE_ID, S.SKIP_REASON, S.TOKENS, S.PATCHES, S.N_IMAGES) + S.READ_POSITION_COLUMNS
@@ -126,10 +128,12 @@ class MeasureStage:
     def _measure(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
         from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
 
+        t0 = time.perf_counter()
         measured = measure_batch(batch, self.image_cfg, self.tok, self.text_cfg)
         measured.update({c: batch[c] for c in S.READ_POSITION_COLUMNS if c in batch})
         measured = fit_batch_to_budget(measured, self.budget_cfg)
-        return measured if self.payloads is None else light_rows(measured, self.payloads)
+        out = measured if self.payloads is None else light_rows(measured, self.payloads)
+        return timing.with_measure_seconds(out, batch, time.perf_counter() - t0)  # read_s, measure_s ride on
 
 
 def payload_key(row: dict) -> str:
@@ -150,7 +154,7 @@ def light_rows(measured: dict[str, Any], payloads) -> dict[str, np.ndarray]:
     for c in LIGHT_COLUMNS[2:]:
         if c in measured:
             out[c] = np.asarray(measured[c], dtype=np.int64)
-    return out
+    return out  # + read_s, measure_s (MeasureStage, timing.py)
 
 
 def _rows(batch: dict[str, Any]) -> list[dict[str, Any]]:
@@ -182,12 +186,15 @@ def _costs(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.array([int(r[k]) for r in rows], dtype=np.int64) for k in (S.TOKENS, S.PATCHES, S.N_IMAGES))
 
 
-def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key: str) -> dict[str, list]:
+def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key: str,
+                 seconds: tuple[tuple[float, float], float] = ((0.0, 0.0), 0.0)) -> dict[str, list]:
     """PLAN rows: one per group of measured rows; the window's skip list rides on the first one
-    (a window that emits no batch but skipped samples emits one empty batch to carry them)."""
+    (a window that emits no batch but skipped samples emits one empty batch to carry them).
+    ``seconds``: (the skipped rows' (read_s, measure_s), the plan seconds), billed in data_time (timing.py)."""
     if not groups and skipped:
         groups = [[]]
-    out: dict[str, list] = {S.BATCH_ID: [], S.BATCH_SAMPLE_IDS: [], PAYLOAD_KEYS: [], S.BATCH_SKIPPED: []}
+    out: dict[str, list] = {S.BATCH_ID: [], S.BATCH_SAMPLE_IDS: [], PAYLOAD_KEYS: [], S.BATCH_SKIPPED: [],
+                            S.BATCH_DATA_TIME: timing.plan_cells(groups, *seconds)}
     for j, members in enumerate(groups):
         out[S.BATCH_ID].append(f"e{epoch}/{window_key}/{j}")
         out[S.BATCH_SAMPLE_IDS].append([str(r[S.SAMPLE_ID]) for r in members])
@@ -200,13 +207,19 @@ def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch:
     """Plan one window of MEASURED rows on its own into PLAN rows (carry = 0; stateless task)."""
     from ray_mmbatch.batching import Budget, plan_batches_arrays
 
+    t0 = time.perf_counter()
     ok, skipped, window_key, _ = _split_window(batch)
     groups: list[list[dict]] = []
     if ok:
         plan = plan_batches_arrays(*_costs(ok), Budget.from_config(budget_cfg),
                                    seed=window_seed(seed, epoch, window_key), algorithm=budget_cfg.algorithm)
         groups = [[ok[i] for i in g] for g in plan]
-    return _plan_output(groups, skipped, epoch, window_key)
+    return _plan_output(groups, skipped, epoch, window_key,
+                        (timing.skipped_seconds(batch), time.perf_counter() - t0))
+
+
+#: rows of the stateful plan stage's first window; each next window doubles, up to budget.window
+FIRST_WINDOW = 128
 
 
 class CarryPlanStage:
@@ -222,10 +235,11 @@ class CarryPlanStage:
     affects fill and mixing, never correctness (before, rows after an early end row stayed
     in the refilled buffer and were lost). Skipped rows never wait in the buffer.
 
-    The actor plans windows of exactly ``budget.window`` rows of the buffer's output, whatever
-    batches Ray hands it (map_batches never forms a batch across bundles, so those are often
-    shorter): with the stream order fixed (deterministic mode), the plans are the same run to
-    run and equal local_batches' (local.py).
+    The actor plans windows of the buffer's output of fixed sizes (``window_size``: FIRST_WINDOW
+    rows, doubling to ``budget.window``), whatever batches Ray hands it (one measured block per
+    call, so planning starts as soon as the first rows leave the growing buffer): with the stream
+    order fixed (deterministic mode), the plans are the same run to run and equal
+    local_batches' (local.py).
 
     An actor restarted by Ray (node or process failure) has lost what it held: it raises on
     its first call instead of finishing an epoch without those samples. Training then fails
@@ -234,19 +248,21 @@ class CarryPlanStage:
     """
 
     def __init__(self, budget_cfg: BudgetConfig, seed: int, epoch: int, shuffle_buffer: int = 0,
-                 strata: dict[str, float] | None = None):
+                 strata: dict[str, float] | None = None, shuffle_ramp: float = 0.0):
         from ray_mmbatch.batching import Budget
         from ray_mmbatch.batching.carry import CarryPlanner
         from ray_mmbatch.batching.shuffle import BatchMix, ShuffleBuffer
 
         self.seed, self.epoch, self.window = seed, epoch, max(1, budget_cfg.window)
+        self.windows = 0  # windows planned: the first ones are smaller (window_size)
         self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
         # strata (a blend: {source: share}): the buffer lets out each source by its share (batching/shuffle.py)
         self.buffer = ShuffleBuffer(shuffle_buffer, seed or 0, epoch, shares=strata,
-                                    label=_source_label if strata else None)
+                                    label=_source_label if strata else None, ramp=shuffle_ramp)
         self.mix = BatchMix(strata, _source_label) if strata else None  # and the batches leave by the shares too
         self.pending: list[dict] = []  # rows out of the buffer, planned once a whole window is here
         self.ended = False  # the end-of-stream row has been seen: hold nothing from now on
+        self.unbilled_s = 0.0  # plan seconds of calls that emitted no batch: billed on the next one
         ray = sys.modules.get("ray")  # loaded in a Ray actor; in-process (local.py) there is no actor to restart
         ctx = ray.get_runtime_context() if ray is not None and ray.is_initialized() else None
         self.restarted = bool(ctx is not None and ctx.get_actor_id() and ctx.was_current_actor_reconstructed)
@@ -257,20 +273,32 @@ class CarryPlanStage:
                 "the carry plan actor was restarted, so the samples it held back for the next window are "
                 "gone from this epoch's stream; failing the stream rather than dropping them (a training run "
                 "restores from its checkpoint and re-plans every sample not yet trained)")
+        t0 = time.perf_counter()
         ok, skipped, window_key, end = _split_window(batch)
         self.ended = self.ended or end
         self.pending += self.buffer.push(ok, [_position(r)[0] for r in ok])
         if self.ended:  # at the end, or rows that came after an early end row: nothing may stay behind
             self.pending += self.buffer.flush()
         groups: list[list[dict]] = []
-        while len(self.pending) >= self.window or (self.ended and self.pending):
-            part, self.pending = self.pending[:self.window], self.pending[self.window:]
+        while len(self.pending) >= self.window_size() or (self.ended and self.pending):
+            size = self.window_size()
+            part, self.pending = self.pending[:size], self.pending[size:]
+            self.windows += 1
             key = str(part[0][S.SAMPLE_ID])  # a function of the stream, not of Ray's batch cuts
             groups += self._mixed(self.planner.feed(part, *_costs(part),
                                                     seed=window_seed(self.seed, self.epoch, key)))
         if self.ended:
             groups += self._mixed(self.planner.flush(seed=window_seed(self.seed, self.epoch, "end")))
-        return _plan_output(groups, skipped, self.epoch, window_key)
+        plan_s = self.unbilled_s + time.perf_counter() - t0
+        out = _plan_output(groups, skipped, self.epoch, window_key, (timing.skipped_seconds(batch), plan_s))
+        self.unbilled_s = 0.0 if out[S.BATCH_ID] else plan_s
+        return out
+
+    def window_size(self) -> int:
+        """Rows of the next window: FIRST_WINDOW, doubling each window up to budget.window, so the
+        first batch is planned once a few hundred rows are here, not a whole window (the carry
+        holds the under-filled batches of the small windows back, so fill is kept)."""
+        return min(self.window, FIRST_WINDOW << min(self.windows, 30))
 
     def _mixed(self, groups: list[list[dict]]) -> list[list[dict]]:
         """One window's batches, in the blend's order (BatchMix) when there is one (per window, so
@@ -297,14 +325,18 @@ class MaterializeStage:
         self.payloads = payloads
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
+        t0 = time.perf_counter()
         out: dict[str, list] = {k: [] for k in (
             S.BATCH_ID, S.BATCH_SAMPLE_IDS, S.BATCH_PAYLOAD, S.BATCH_REAL_TOKENS, S.BATCH_PADDED_TOKENS,
             S.BATCH_TARGET_TOKENS, S.BATCH_N_SAMPLES, S.BATCH_SKIPPED, S.BATCH_POSITIONS,
             S.BATCH_POSITION_UNIT_ROWS)}
-        keys = [[str(k) for k in batch[PAYLOAD_KEYS][i]] for i in range(len(batch[S.BATCH_ID]))]
+        n = len(batch[S.BATCH_ID])
+        keys = [[str(k) for k in batch[PAYLOAD_KEYS][i]] for i in range(n)]
         fetched = iter(self.payloads.get([k for ks in keys for k in ks]))  # one fetch per holder per block
         done: list[str] = []
-        for i in range(len(batch[S.BATCH_ID])):
+        own: list[float] = []  # each batch's own seconds; the block's fetch and release are shared out
+        for i in range(n):
+            t1 = time.perf_counter()
             members = [next(fetched) for _ in keys[i]]
             row = materialize_plan_row(members, decode_skips(batch[S.BATCH_SKIPPED][i]),
                                        self.image_cfg, self.budget_cfg, self.pad_id)
@@ -312,7 +344,12 @@ class MaterializeStage:
             for k in out:
                 out[k].append(row[k])
             done += keys[i]
+            own.append(time.perf_counter() - t1)
         self.payloads.done(done)
+        shared, plan = (time.perf_counter() - t0 - sum(own)) / max(n, 1), batch.get(S.BATCH_DATA_TIME)
+        now = time.time()  # produced_at: the train loop's transfer_s is its time.time() minus this
+        out[S.BATCH_DATA_TIME] = [timing.batch_cell(None if plan is None else plan[i], own[i] + shared, now)
+                                  for i in range(n)]
         return out
 
 
