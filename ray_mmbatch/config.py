@@ -330,6 +330,11 @@ class DataConfig:
     """Samples in the shuffle buffer of --shuffle samples (light rows in the plan actor, ~250 bytes each;
     their image bytes wait in the payload holders meanwhile). Mixing spans about this many samples plus the
     read units around them: raise it for large units or many subsets."""
+    shuffle_ramp: float = flag("--shuffle-ramp", 0.25)
+    """While the shuffle buffer grows to --shuffle-buffer, this share of the rows read goes on to planning
+    (batching/shuffle.py), so the first batch comes after a few hundred samples are measured whatever the
+    buffer's size; the first ~buffer / (1 - ramp) samples of an epoch are then mixed over the rows read so
+    far. 0 = fill the whole buffer before the first batch (best-mixed start, slowest first batch)."""
     stall_timeout_s: float = flag("--stall-timeout", 1800.0)
     """Stop the run when a Train worker gets no batch for this many seconds (train/stall.py): the message names
     the actors Ray cannot place and the free resources. 0 = wait forever."""

@@ -210,3 +210,73 @@ def test_batch_mix_orders_batches_by_the_running_shares():
     assert _worst_share_gap(flat, _SHARES, 200) <= 0.05 + 1e-9  # one batch of the stretch's 20
     alone = [i for b in batches for i in b]  # the seeded order alone: two batches off
     assert _worst_share_gap(alone, _SHARES, 200) >= 0.1 - 1e-9
+
+
+# --- the growing buffer (ramp): planning starts before the buffer is full ---
+
+@pytest.mark.parametrize("ramp", [0.1, 0.25, 0.5])
+def test_a_ramped_buffer_grows_to_its_capacity_and_keeps_every_invariant(ramp):
+    items = list(range(3000))
+    b = ShuffleBuffer(1000, seed=3, epoch=0, ramp=ramp)
+    out = b.push(items[:400], items[:400])
+    assert len(out) == int(400 * ramp) and len(b) == 400 - int(400 * ramp)  # emits while it grows
+    out += b.push(items[400:], items[400:])
+    assert len(b) == 1000  # full: from here one out per push, as the plain buffer
+    assert sorted(out + b.flush()) == items
+    runs = [_through(ShuffleBuffer(1000, seed=3, epoch=0, ramp=ramp), items, chunk) for chunk in (1, 17, 3000)]
+    assert runs[0] == runs[1] == runs[2] and sorted(runs[0]) == items  # a function of the stream, not its cuts
+    assert runs[0] != _through(ShuffleBuffer(1000, seed=4, epoch=0, ramp=ramp), items, 64)
+    # ramp 0 is the buffer that fills first: nothing leaves before `capacity` pushes
+    assert ShuffleBuffer(1000, seed=3, epoch=0).push(items[:999], items[:999]) == []
+    with pytest.raises(ValueError, match="ramp"):
+        ShuffleBuffer(10, 0, 0, ramp=1.0)
+
+
+def test_a_ramped_stratified_buffer_keeps_every_item_once_and_the_shares():
+    rng = random.Random(0)
+    items = [f"{k}{i}" for k, n in (("a", 1800), ("b", 900), ("c", 300)) for i in range(n)]
+    rng.shuffle(items)
+    b = ShuffleBuffer(500, seed=5, epoch=0, shares=_SHARES, label=_label, ramp=0.25)
+    out = b.push(items[:200], list(range(200)))
+    assert len(out) == 50 and len(b) == 150
+    out += b.push(items[200:], list(range(200, len(items)))) + b.flush()
+    assert sorted(out) == sorted(items)
+    assert _worst_share_gap(out, _SHARES, 200) < 0.1
+
+
+def test_the_plan_stage_plans_while_the_buffer_grows(tmp_path):
+    """With the default 16,384-row buffer and 600 rows, the ramped plan stage emits batches before the
+    end of the stream (small first windows, a buffer that lets rows out as it grows); ramp 0 emits
+    none before the end row. Both plan every row exactly once."""
+    from ray_mmbatch import schema as S
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.dataflow.local import _chunks, _measured_rows
+    from ray_mmbatch.dataflow.payload_store import LocalPayloads
+    from ray_mmbatch.dataflow.stages import FIRST_WINDOW, CarryPlanStage
+    from ray_mmbatch.models import configure
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    manifest = generate_dataset(str(tmp_path / "d"), 600, "parquet", seed=2, workers=1)
+    cfg = Config()
+    cfg.data.path, cfg.data.format = str(tmp_path / "d"), "parquet"
+    cfg = configure(cfg)
+    rows = list(_measured_rows(cfg, end_marker=True, payloads=LocalPayloads()))
+    assert rows[-1][S.SAMPLE_ID] == S.END_OF_STREAM_ID
+    for ramp in (0.25, 0.0):
+        stage = CarryPlanStage(cfg.budget, 0, 0, shuffle_buffer=16384, shuffle_ramp=ramp)
+        before_end, planned = 0, []
+        for window in _chunks(iter(rows), 64):
+            ids = [s for b in stage(window)[S.BATCH_SAMPLE_IDS] for s in b]
+            planned += ids
+            if not any(r[S.SAMPLE_ID] == S.END_OF_STREAM_ID for r in _rows_of(window)):
+                before_end += len(ids)
+        assert sorted(planned) == sorted(manifest["ids"])
+        if ramp:
+            assert before_end >= FIRST_WINDOW // 2  # planned while the stream still ran
+            assert stage.windows >= 2 and stage.window_size() > FIRST_WINDOW
+        else:
+            assert before_end == 0
+
+
+def _rows_of(window: dict) -> list[dict]:
+    return [{k: v[i] for k, v in window.items()} for i in range(len(next(iter(window.values()))))]

@@ -8,9 +8,11 @@ two steps, both functions of ``(seed, epoch)`` and of the stream, never of a wor
         |  unit_order: a permutation of the units, seeded by (seed, epoch)       [--shuffle units]
         v
     light rows in that order (id, costs, read position: ~250 bytes; the payloads wait in the holders)
-        |  ShuffleBuffer(capacity B): the first B rows fill it; then each new row
-        |  swaps with the row at slot hash(seed, epoch, row's read position) % B,
-        |  which goes on; at the end of the stream the rest leaves in a seeded order  [--shuffle samples]
+        |  ShuffleBuffer(capacity B): it grows to B as rows come (ramp r: while it
+        |  grows, r of the rows pushed leave, so planning starts after a few hundred
+        |  rows, not after B); a row swaps with the row at slot
+        |  hash(seed, epoch, row's read position) % size, which goes on; at the end
+        |  of the stream the rest leaves in a seeded order                          [--shuffle samples]
         v
     the planner's windows (batching/carry.py), batch order shuffled per window (plan.py)
 
@@ -23,7 +25,10 @@ What it guarantees: every row pushed leaves exactly once (a swap or the flush); 
 is a function of the input sequence and (seed, epoch, B) only, so how the stream is cut
 into windows changes nothing, and the same seed, data and settings give the same order
 (deterministic mode keeps the stream order). Another epoch or seed gives another order.
-A row stays a geometric number of swaps (mean B), so a window of the output draws from
+While the buffer grows (the first B / (1 - r) rows of an epoch) its output draws from the rows read
+so far, a smaller span: the first stretch of an epoch is mixed over fewer units than the rest, the
+price of a first batch in seconds (r = 0 fills the whole buffer first, as before; bench_mixing.py
+measures both). Once full, a row stays a geometric number of swaps (mean B), so a window of the output draws from
 about the last 2-3 B rows of a stream that is itself a random sequence of units: with
 B >= a few units' rows, each part of the epoch mixes many random units.
 
@@ -119,10 +124,16 @@ def stratified_unit_order(labels: Sequence[Hashable], sizes: Sequence[int], seed
 class ShuffleBuffer(Generic[T]):
     """A seeded swap buffer of ``capacity`` items (see the module header).
 
-    ``push(items, positions)`` returns the items that leave (none while it fills, then one per
-    item pushed); ``flush()`` returns what is left in a seeded order and empties it. Items are
-    opaque; ``positions`` are their read positions (distinct within an epoch), which seed the
-    slot each one swaps into. ``capacity`` 0 passes items straight through.
+    ``push(items, positions)`` returns the items that leave; ``flush()`` returns what is left in a
+    seeded order and empties it. Items are opaque; ``positions`` are their read positions (distinct
+    within an epoch), which seed the slot each one swaps into. ``capacity`` 0 passes items
+    straight through.
+
+    ``ramp`` (0 <= r < 1): how the buffer grows to ``capacity``. After n pushes it holds
+    min(capacity, n - floor(n r)) items: while it grows, the pushes that make floor(n r) step
+    up swap an item out (one in 1/r), the others only add; once full, every push swaps. r = 0
+    fills it first and emits nothing before ``capacity`` items came (the plain swap buffer).
+    The output stays a function of the pushed sequence and (seed, epoch, capacity, ramp).
 
     Stratified (``shares``: {label: share of the epoch}, ``label``: item -> its label; a blend's
     sources): each label's items wait in a part of their own (the capacity counts them all),
@@ -135,9 +146,12 @@ class ShuffleBuffer(Generic[T]):
     """
 
     def __init__(self, capacity: int, seed: int, epoch: int, shares: dict | None = None,
-                 label: Callable[[T], Hashable] | None = None):
+                 label: Callable[[T], Hashable] | None = None, ramp: float = 0.0):
         if capacity < 0:
             raise ValueError(f"shuffle buffer capacity must be >= 0, got {capacity}")
+        if not 0.0 <= ramp < 1.0:
+            raise ValueError(f"shuffle buffer ramp must be in [0, 1), got {ramp}")
+        self.ramp = float(ramp)
         if shares and label is None:
             raise ValueError("a stratified shuffle buffer needs label (item -> its stratum) with its shares")
         self.capacity, self.seed, self.epoch = int(capacity), int(seed), int(epoch)
@@ -154,29 +168,37 @@ class ShuffleBuffer(Generic[T]):
     def __len__(self) -> int:
         return self.held if self.shares else len(self.items)
 
+    def size_after(self, pushed: int) -> int:
+        """Items held after ``pushed`` pushes (before any flush): the buffer's growth."""
+        return min(self.capacity, pushed - int(pushed * self.ramp))
+
     def push(self, items: Sequence[T], positions: Sequence[int] | np.ndarray) -> list[T]:
         if len(items) != len(positions):
             raise ValueError(f"{len(items)} items but {len(positions)} positions")
+        n0 = self.pushed
         self.pushed += len(items)
         if self.capacity == 0:
             return list(items)
         if self.shares:
             out: list[T] = []
-            for item in items:
+            for n, item in enumerate(items, n0 + 1):
                 self.parts.setdefault(self.label(item), []).append(item)
                 self.held += 1
-                if self.held > self.capacity:
+                while self.held > self.size_after(n):
                     out.append(self._pop())
             return out
-        slots = (position_hash(positions, self.seed, self.epoch) % np.uint64(self.capacity)).tolist()
+        hashes = position_hash(positions, self.seed, self.epoch).tolist()
         out: list[T] = []
-        buf, cap = self.items, self.capacity
-        for item, slot in zip(items, slots):
-            if len(buf) < cap:
+        buf, size_after = self.items, self.size_after
+        for n, (item, h) in enumerate(zip(items, hashes), n0 + 1):
+            if len(buf) < size_after(n):
                 buf.append(item)
-            else:
+            elif buf:
+                slot = h % len(buf)  # len(buf) == cap once full: the plain swap buffer
                 out.append(buf[slot])
                 buf[slot] = item
+            else:
+                out.append(item)
         return out
 
     def _pop(self) -> T:

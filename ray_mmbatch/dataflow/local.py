@@ -109,13 +109,15 @@ def local_batches(cfg: Config, limit: int | None = None, epoch: int = 0,
     seed = cfg.train.seed
     reader = read_units(cfg.data.path, cfg.data)
     planner = CarryPlanStage(cfg.budget, seed, epoch, shuffle_buffer_size(cfg.data),
-                             blend_strata(reader)) if stateful else None
+                             blend_strata(reader), cfg.data.shuffle_ramp) if stateful else None
     payloads = LocalPayloads()
     materialize = MaterializeStage(cfg.image, cfg.budget, token_ids(cfg)["pad_id"], payloads)
     done = 0
     measured = _measured_rows(cfg, end_marker=stateful, payloads=payloads, shard=shard, epoch=epoch,
                               split=read_split, reader=reader)
-    for window in _chunks(measured, max(1, cfg.budget.window)):
+    # the plan actor cuts its own windows (small ones first): feed it as rows come, like the Ray graph
+    chunk = max(1, cfg.data.measure_batch if stateful else cfg.budget.window)
+    for window in _chunks(measured, chunk):
         plans = planner(window) if stateful else plan_rows(window, cfg.budget, seed, epoch)
         for i in range(len(plans[S.BATCH_ID])):
             one = {k: [v[i]] for k, v in plans.items()}
