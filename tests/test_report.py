@@ -202,3 +202,79 @@ def test_eval_loss_is_plotted_beside_the_loss(tmp_path):
     assert trace[0]["x"] == [metrics[k]["step"] for k in (3, 7, len(metrics) - 1)]
     assert trace[0]["y"] == pytest.approx([metrics[k]["eval_loss"] for k in (3, 7, len(metrics) - 1)])
     assert on_disk["table"]["eval_loss"] == pytest.approx(summary["eval_loss"]) and report
+
+
+def _data_time_totals(wait_s: float, first_wait_s: float) -> dict:
+    """Two ranks' DataClock sums as the loop all-reduces them (numbers made for easy arithmetic)."""
+    from ray_mmbatch.run import datatime
+
+    totals = None
+    for _rank in range(2):
+        clock = datatime.DataClock()
+        for b in range(10):  # 10 batches a rank, each 1+2+0.5+6.5 = 10 s of data work
+            clock.row([1.0, 2.0, 0.5, 6.5, 100.0], asked_at=90.0 if b % 2 else 100.1,  # ready before asked or not
+                      decoded_at=100.25 if b else None)  # 9 decoded: 0.25 s or 0.15 s each
+        clock.row([0.5, 0.5, 0.0, 0.0, 99.0])  # a row carrying only skip records: never decoded
+        for s in range(10):
+            clock.step(wait_s / 20, 1.0, first=s == 0)
+        vals = clock.take()
+        assert clock.take() == [0.0] * len(datatime.CLOCKS)  # take starts the sums again
+        vals[datatime.CLOCKS.index("first_wait_s")] = first_wait_s / 2  # each rank's first step waited longer
+        totals = datatime.add(totals, vals)
+    return totals
+
+
+def test_data_time_sums_per_stage_and_says_whether_to_add_cpus():
+    from ray_mmbatch.run import datatime
+    from ray_mmbatch.run.sizing import HEADROOM
+
+    fed = datatime.summarize(_data_time_totals(wait_s=0.4, first_wait_s=0.2), samples=400, train_s=20.0,
+                             data_cpus=6.25, ranks=2)
+    assert fed["read_s"] == 21.0 and fed["measure_s"] == 41.0 and fed["plan_s"] == 10.0
+    assert fed["materialize_s"] == 130.0 and fed["data_s"] == 202.0 and fed["batches"] == 22
+    assert fed["transfer_s"] == pytest.approx(2 * (5 * 0.25 + 4 * 0.15))
+    assert fed["step_s"] == 20.0 and fed["wait_s"] == pytest.approx(0.4) and fed["wait_share"] == 0.02
+    assert fed["first_batch_s"] == pytest.approx(0.1)  # 0.2 s over 2 first steps
+    assert fed["steady_wait_share"] == pytest.approx(0.2 / 18, abs=1e-4)
+    assert fed["samples_per_data_cpu_s"] == pytest.approx(400 / 202, abs=0.01)
+    assert fed["busy_data_cpus"] == pytest.approx(202 / 20, abs=0.01)
+    assert fed["verdict"].startswith("data wait 1% of step time (first batch 0.1 s apart)")
+    assert fed["verdict"].endswith("the accelerators are fed")
+    json.dumps(fed)  # summary.json holds it as is
+
+    starved = datatime.summarize(_data_time_totals(wait_s=8.0, first_wait_s=1.0), samples=400, train_s=20.0,
+                                 data_cpus=6.25, ranks=2)
+    assert starved["wait_share"] == 0.4 and starved["steady_wait_share"] == pytest.approx(7 / 18, abs=1e-4)
+    per_worker = 400 / (20 - 8)
+    need = HEADROOM * 2 * per_worker / (400 / 202)
+    assert starved["samples_per_worker_s"] == pytest.approx(per_worker, abs=0.01)
+    text = starved["verdict"]
+    assert text.startswith("data wait 39% of step time (first batch 0.5 s apart): the data side is the bottleneck")
+    assert f"~{int(np.ceil(need - 6.25))} more data CPUs ({need:.1f} in all" in text
+
+    enough = datatime.summarize(_data_time_totals(wait_s=8.0, first_wait_s=1.0), samples=400, train_s=20.0,
+                                data_cpus=64, ranks=2)
+    assert "yet its 64 data CPUs should supply it" in enough["verdict"]
+    assert datatime.summarize(None, 0, 0.0, 4, 1) == {}  # a run that took no batch
+
+
+def test_report_tables_the_data_time(tmp_path):
+    from ray_mmbatch.run import datatime
+
+    made = write_fake_run(tmp_path, steps=5)
+    dt = datatime.summarize(_data_time_totals(wait_s=8.0, first_wait_s=1.0), samples=400, train_s=20.0,
+                            data_cpus=6.25, ranks=2)
+    (tmp_path / RunDir.SUMMARY).write_text(json.dumps({**made["summary"], "data_time": dt}))
+    report = make_report(tmp_path)
+    table = report["table"]
+    assert table["data: read"] == "21.00 s (10%)" and table["data: materialize"] == "130.00 s (64%)"
+    assert table["data: all stages"] == "202.00 s over 22 batches"
+    assert table["data: step waited"] == "8.00 s of 20.00 s (40%; 39% after the first batch)"
+    assert table["samples/s per data CPU"] == "2.0" and table["data verdict"] == dt["verdict"]
+    assert report["data_verdict"] == dt["verdict"]
+    page = (tmp_path / RunDir.REPORT_HTML).read_text()
+    assert "the data side is the bottleneck" in page and "data: measure" in page
+    # a run from before data_time: no rows, no line
+    write_fake_run(tmp_path / "old", steps=3)
+    old = make_report(tmp_path / "old")
+    assert not any(k.startswith("data") for k in old["table"]) and old["data_verdict"] == ""

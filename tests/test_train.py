@@ -158,12 +158,27 @@ def _batches(out: Path) -> list[tuple[str, list[str]]]:
 
 def test_deterministic_training_replays_the_same_batches(ray_cluster, bad_parquet, tmp_path):
     """The stream reaching Train (built in the controller process, split by Train) keeps
-    its order in deterministic mode: two runs train the same batches in the same order."""
+    its order in deterministic mode: two runs train the same batches in the same order.
+    summary.json says where the data time went (run/datatime.py): every stage took time, the
+    steps waited at most their own wall time, and the verdict says whether to add data CPUs."""
     from ray_mmbatch.train.trainer import run_training
 
     data, _ = bad_parquet
-    run_training(_cfg(data, tmp_path / "a", num_workers=1, max_steps=6, checkpoint_every=0))
+    summary = run_training(_cfg(data, tmp_path / "a", num_workers=1, max_steps=6, checkpoint_every=0))
     run_training(_cfg(data, tmp_path / "b", num_workers=1, max_steps=6, checkpoint_every=0))
     first, second = _batches(tmp_path / "a"), _batches(tmp_path / "b")
     assert len(first) == 6
     assert first == second
+
+    dt = json.loads((tmp_path / "a" / RunDir.SUMMARY).read_text())["data_time"]
+    assert dt == json.loads(json.dumps(summary["data_time"]))
+    for stage in ("read_s", "measure_s", "plan_s", "materialize_s", "transfer_s", "wait_s", "step_s"):
+        assert dt[stage] > 0, (stage, dt)
+    assert dt["data_s"] == pytest.approx(sum(dt[k] for k in ("read_s", "measure_s", "plan_s", "materialize_s")),
+                                         abs=0.01)
+    assert dt["wait_s"] <= dt["step_s"] <= summary["wall_s"]
+    assert dt["wait_share"] == pytest.approx(dt["wait_s"] / dt["step_s"], abs=1e-3)
+    assert 0 < dt["first_batch_s"] <= dt["wait_s"] and dt["batches"] >= 6  # + rows carrying only skip records
+    assert dt["data_cpus"] > 0 and dt["samples_per_data_cpu_s"] == pytest.approx(
+        summary["samples"] / dt["data_s"], rel=0.01)
+    assert dt["verdict"].startswith("data wait ") and "% of step time" in dt["verdict"]

@@ -8,8 +8,9 @@
     inspection.py     the inspect job (every sample read, measured and materialized, counted)
     local.py          local_batches: the same stages in one process, no Ray
     throughput.py     inspect --throughput: samples per CPU second through those stages, in one process
+    timing.py         each stage's wall seconds riding in the rows to the train loop (summary.json data_time)
     operator.py       batch_by_token_budget: the planners over any user's Ray Dataset
 
-stages.py, payload_store.py, pools.py, local.py and throughput.py import no Ray (tests/test_pure_imports.py
+stages.py, timing.py, payload_store.py, pools.py, local.py and throughput.py import no Ray (tests/test_pure_imports.py
 runs local_batches without loading it); the rest is Ray's.
 """

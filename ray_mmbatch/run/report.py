@@ -2,7 +2,8 @@
 
 Inputs (names from run/rundir.RunDir), all written by the driver of the training run::
 
-    summary.json    final totals (steps, samples, tokens, fill, loss, skipped counts, budget)
+    summary.json    final totals (steps, samples, tokens, fill, loss, skipped counts, budget,
+                    data_time: where the data time went, run/datatime.py)
     metrics.jsonl   one object per report step (loss, lr, throughput, data wait, memory)
     batches.jsonl   one object per trained batch (step, rank, real/padded/target tokens, budget)
     skipped.csv     sample_id,reason,detail for every skipped sample
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ray_mmbatch import schema
+from ray_mmbatch.run import datatime
 from ray_mmbatch.run.rundir import RunDir, read_jsonl
 
 _BATCH_REQUIRED = ("step", schema.BATCH_REAL_TOKENS, schema.BATCH_PADDED_TOKENS)
@@ -153,6 +155,7 @@ def summary_figures(summary: dict[str, Any], stats: dict[str, Any], skips: dict[
         *([("eval_loss", summary["eval_loss"])] if summary.get("eval_loss") is not None else []),
         ("skipped samples", skips["total"]), ("peak_mem_mb", max(peaks) if peaks else None),
         ("wall_s", summary.get("wall_s")),
+        *datatime.table(summary.get("data_time") or {}),  # per stage, the wait, the verdict
     ])
 
 
@@ -244,6 +247,7 @@ def render_html(report: dict[str, Any], figs: dict[str, Any]) -> str:
         f"<script type='text/javascript'>{offline.get_plotlyjs()}</script></head><body>"
         f"<h1>Run report: {html.escape(Path(report['run_dir']).name)}</h1>"
         f"<p><code>{html.escape(report['run_dir'])}</code></p>"
+        + (f"<p><b>{html.escape(report['data_verdict'])}</b></p>" if report.get("data_verdict") else "") +
         f"<div class='top'><table>{rows}</table><div><h3>Warnings</h3><ul>{warn}</ul></div></div>"
         f"<div class='figs'>{divs}</div></body></html>"
     )
@@ -270,6 +274,7 @@ def make_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[
         "batch_stats": stats,
         "skipped": run["skip_counts"],
         "n_metrics": len(run["metrics"]),
+        "data_verdict": (run["summary"].get("data_time") or {}).get("verdict", ""),
         "warnings": warnings,
         "figures": {fid: _figure_json(fig) for fid, fig in figs.items()},
     }

@@ -38,6 +38,7 @@ from ray_mmbatch.batching.layout import mask_samples, patch_dim
 from ray_mmbatch.config import Config, apply_overrides, flatten
 from ray_mmbatch.data.errors import decode_skips
 from ray_mmbatch.data.position import DataPosition
+from ray_mmbatch.run import datatime
 from ray_mmbatch.run.rundir import RunDir
 from ray_mmbatch.train import checkpoint as ckpt
 from ray_mmbatch.train.events import RankEvents
@@ -94,6 +95,8 @@ class Runner:
         self.totals = dict(st.get("totals", {"samples": 0, "real_tokens": 0, "padded_tokens": 0,
                                              "target_tokens": 0, "train_s": 0.0}))
         self.initial_loss = st.get("initial_loss")
+        # where the data time went (run/datatime.py): this rank's sums since the last report, the run's totals
+        self.clock, self.data_time = datatime.DataClock(), dict(st.get("data_time", {}))
         # samples trained or reported skipped, all ranks, all epochs: drives the by-epoch LR schedule
         self.samples_seen = int(st.get("samples_seen", 0))
         self.progress, self.planned_samples = progress, int(planned_samples)
@@ -129,18 +132,22 @@ class Runner:
         micro: list[tuple[dict, BatchMeta]] = []
         skipped = 0
         while len(micro) < self.cfg.train.grad_accum:
+            asked = time.time()  # the clock of produced_at (dataflow/timing.py), not perf_counter
             row = next(rows, None)
             if row is None:
                 break
             records = decode_skips(row[S.BATCH_SKIPPED])
+            cell = row.get(S.BATCH_DATA_TIME)
             for rec in records:
                 self.files.append("skipped", {"step": self.step, **rec.to_dict()})
             skipped += len(records)
             self._done(epoch, np.array([r.position for r in records], np.int64),  # reported skips are done too
                        np.array([r.unit_rows for r in records], np.int64))
             if int(row[S.BATCH_N_SAMPLES]) == 0:
+                self.clock.row(cell)
                 continue  # only carried skip records
             batch = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
+            self.clock.row(cell, asked, time.time())  # its stages' seconds, and produced (or asked) -> decoded
             pos, unit_rows = _positions(row)
             keep = ~self.position.contains(epoch, pos)
             if not any(keep):
@@ -160,6 +167,7 @@ class Runner:
         guard = [0, 0]  # samples seen / skipped in this run, for the skip guard
         for epoch, shard in enumerate(self.shards):
             rows = self._rows(shard)
+            first = True  # the stream's first step waits for the pools to start
             while not self._at_max_steps() and not self.aborted:
                 t0 = time.perf_counter()
                 micro, skipped = self._take(rows, epoch)
@@ -176,7 +184,10 @@ class Runner:
                 batches = [b for b, _ in micro] or [step_on]
                 out = self._optimizer_step(self.model, batches, self.opt, self.sched, tcfg, self.device)
                 self.step += 1
-                self._account(micro, out, t_data, time.perf_counter() - t0)
+                t_step = time.perf_counter() - t0
+                self._account(micro, out, t_data, t_step)
+                self.clock.step(t_data, t_step, first)
+                first = False
                 self._fault_drill()
                 ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
                 ev = self.has_eval and bool(tcfg.eval_every) and self.step % tcfg.eval_every == 0 \
@@ -274,7 +285,9 @@ class Runner:
 
         w, self.window = self.window, {}
         keys = ("real", "padded", "target", "samples", "data_s", "step_s", "steps")
-        g = dict(zip(keys, all_reduce([w.get(k, 0.0) for k in keys], self.device)))
+        reduced = all_reduce([w.get(k, 0.0) for k in keys] + self.clock.take(), self.device)  # one collective
+        g = dict(zip(keys, reduced))
+        self.data_time = datatime.add(self.data_time, reduced[len(keys):])
         (loss_mean,) = all_reduce([w.get("loss_sum", 0.0) / max(w.get("steps", 1.0), 1.0)], self.device)
         loss_mean /= self.world
         t = self.totals
@@ -299,6 +312,7 @@ class Runner:
             **self.param_counts,
             **({"eval_loss": self.eval_loss} if self.eval_loss is not None else {}),
             **{f"total_{k}": v for k, v in t.items()},
+            "data_time": dict(self.data_time),  # the run's sums so far (run/datatime.py); summary.json's data_time
         }
         self.eval_loss = None
         if g["steps"]:
@@ -312,7 +326,7 @@ class Runner:
             ray.train.report(metrics)
             return
         state = {"step": self.step, "position": self.position.state_dict(), "totals": t,
-                 "initial_loss": self.initial_loss, "samples_seen": self.samples_seen}
+                 "initial_loss": self.initial_loss, "samples_seen": self.samples_seen, "data_time": self.data_time}
         with tempfile.TemporaryDirectory() as tmp:
             ray_ckpt = None
             if self.cfg.train.fsdp:  # every rank writes its shards; Ray merges the rank folders

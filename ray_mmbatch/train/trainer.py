@@ -251,6 +251,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
     check_trackers(cfg.train.report_to)  # --report-to: a tracker not installed fails before Ray starts
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
     from ray_mmbatch.dataflow.pipeline import pools_for
+    from ray_mmbatch.dataflow.pools import PLAN_CPUS
+    from ray_mmbatch.run.datatime import summarize as summarize_data_time
     from ray_mmbatch.run.guards import TooManySkipped
 
     stopped = Path(cfg.train.output_dir) / RunDir.STOPPED
@@ -282,6 +284,10 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "eval_loss": m.get("eval_loss"),  # the held-out loss at the end (--eval-split / --eval-data)
         "trainable_params": m.get("trainable_params"),
         "total_params": m.get("total_params"),
+        # where the data time went, per stage, and whether to add data CPUs (run/datatime.py)
+        "data_time": summarize_data_time(m.get("data_time"), int(m.get("total_samples", 0)),
+                                         float(m.get("total_train_s", 0.0)),
+                                         sizes.measure[1] + sizes.materialize[1] + PLAN_CPUS, cfg.train.num_workers),
     }
     filtered = filtered_counts(cfg.data)  # --filter: rows left out at read, not skips
     if filtered:
@@ -294,6 +300,8 @@ def run_training(cfg: Config) -> dict[str, Any]:
     if stopped.exists():  # the skip guard stopped the run (train/loop.py)
         summary["stopped"] = _explain_stop(cfg, out, json.loads(stopped.read_text()))
     (out / RunDir.SUMMARY).write_text(json.dumps(summary, indent=2, default=str))
+    if summary["data_time"]:
+        print(f"[ray_mmbatch] {summary['data_time']['verdict']}", flush=True)
     if stopped.exists():
         raise TooManySkipped(summary["stopped"])
     return summary
