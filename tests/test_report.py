@@ -238,7 +238,7 @@ def test_data_time_sums_per_stage_and_says_whether_to_add_cpus():
     assert fed["steady_wait_share"] == pytest.approx(0.2 / 18, abs=1e-4)
     assert fed["samples_per_data_cpu_s"] == pytest.approx(400 / 202, abs=0.01)
     assert fed["busy_data_cpus"] == pytest.approx(202 / 20, abs=0.01)
-    assert fed["verdict"].startswith("data wait 1% of step time (first batch 0.1 s apart)")
+    assert fed["verdict"].startswith("data wait 1% of step time after the first batch (0.1 s)")
     assert fed["verdict"].endswith("the accelerators are fed")
     json.dumps(fed)  # summary.json holds it as is
 
@@ -249,7 +249,7 @@ def test_data_time_sums_per_stage_and_says_whether_to_add_cpus():
     need = HEADROOM * 2 * per_worker / (400 / 202)
     assert starved["samples_per_worker_s"] == pytest.approx(per_worker, abs=0.01)
     text = starved["verdict"]
-    assert text.startswith("data wait 39% of step time (first batch 0.5 s apart): the data side is the bottleneck")
+    assert text.startswith("data wait 39% of step time after the first batch (0.5 s): the data side is the bottleneck")
     assert f"~{int(np.ceil(need - 6.25))} more data CPUs ({need:.1f} in all" in text
 
     enough = datatime.summarize(_data_time_totals(wait_s=8.0, first_wait_s=1.0), samples=400, train_s=20.0,

@@ -107,7 +107,7 @@ def verdict(dt: dict[str, Any]) -> str:
 
     steady = dt.get("steady_wait_share")
     share = float(steady if steady is not None else dt.get("wait_share", 0.0))
-    where = "" if steady is None else f" (first batch {dt['first_batch_s']:.1f} s apart)"
+    where = "" if steady is None else f" after the first batch ({dt['first_batch_s']:.1f} s)"
     if share < FED_SHARE:
         return f"data wait {share:.0%} of step time{where}: the accelerators are fed"
     head = f"data wait {share:.0%} of step time{where}: the data side is the bottleneck"
