@@ -37,6 +37,9 @@ ALIASES = {"train": "train", "training": "train", "validation": "validation", "v
            "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
            "evaluation": "test"}
 DATA_EXTS = (".parquet", ".arrow", ".tar", ".json", ".jsonl", ".tar.gz", ".tgz")
+#: files beside the data that are never a split's data (ray-mmbatch prepare's manifest)
+NOT_DATA = ("manifest.json",)
+_warned: set = set()  # (root, files) told once per process: a run lists its data several times
 _SHARDED = re.compile(r"^(?P<split>[A-Za-z0-9_.]+?)-\d+-of-\d+\.")
 _KEYWORD = re.compile(r"^(?P<split>[A-Za-z]+)(?:[-._ 0-9]|$)")
 NOT_SPLITS = frozenset({"data"})  # save_to_disk's data-NNNNN-of-NNNNN.arrow, the Hub's data/ folder
@@ -107,8 +110,9 @@ def select(root: str, files: list[str], split: str) -> list[str]:
         have = found(root, files)
         raise ValueError(f"{root} holds the splits {have} (Hub-style file / folder names) but no {want!r}: "
                          f"pick one with --split NAME (or PATH#split=NAME)")
-    loose = [fs.relative(f, root) for f in data if not named[f]]
-    if loose:
+    loose = [fs.relative(f, root) for f in data if not named[f] and f.rsplit("/", 1)[-1] not in NOT_DATA]
+    if loose and (root, tuple(loose)) not in _warned:
+        _warned.add((root, tuple(loose)))
         log.warning("%s: %d data file(s) name no split and are not read (as HF datasets reads a folder with "
                     "split names), e.g. %s; point --data at them to read them", root, len(loose), loose[:3])
     return keep
