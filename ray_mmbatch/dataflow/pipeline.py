@@ -16,8 +16,8 @@
                                      `budget.window` samples, under-filled batches held back into the
                                      next window (see below). No pixel passes through it
       .map_batches(MaterializeStage, one BATCH row per batch: fetch the payloads, decode + resize +
-                   batch_size=1)     patchify + collate
-      .repartition(1 row per block)  so Train's split can hand batches to ranks one by one
+                   per block)        patchify + collate; blocks of MATERIALIZE_ROWS batches, which Train's
+                                     split hands to the ranks as they ask
 
 The stage objects and their pure glue live in stages.py (local.py runs the same ones in
 one process); the end-of-stream row in formats/end_of_stream.py; where measured rows wait, in
@@ -45,7 +45,7 @@ from ray_mmbatch.dataflow.stages import (
     uses_plan_actor,
 )
 
-MATERIALIZE_ROWS = 4  # planned batches per materialize task
+MATERIALIZE_ROWS = 4  # planned batches per materialize task, and per block Train's split hands a rank
 
 
 def stage_args(cfg: Config) -> dict[str, Any]:
@@ -159,9 +159,11 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
         fn_constructor_args=(cfg.image, cfg.budget, pad_id, payloads),
         compute=_pool(pools.materialize),
         **stage_args(cfg))
-    # One batch per block: Train's split hands out whole blocks, so a block holding a
-    # window's worth of batches would starve the other ranks (streaming, no barrier).
-    ds = ds.repartition(target_num_rows_per_block=1)
+    # Its blocks hold MATERIALIZE_ROWS batches, and Train's split hands out whole blocks: small
+    # enough that no rank starves (streaming, no barrier). No repartition to one batch per block
+    # after it: an actor op cannot fuse with the task op a repartition is, so that ran one Ray
+    # task per block, and cost the 6,000-sample pass a quarter of its CPU (9 s of 38 wall,
+    # benchmarks/RESULTS.md, issue 34).
     return (ds, payloads) if return_payloads else ds
 
 
