@@ -23,6 +23,8 @@ count, token / patch sums and image bytes, otherwise the script fails: the same 
 being timed.
 
     python benchmarks/bench_ingest.py [--data DIR] [--samples 2000] [--repeat 2] [--json PATH]
+    python benchmarks/bench_ingest.py --mode train --data DIR --cpus 6 [--first-batch-only]
+        [--shuffle-buffer N] [--shuffle-ramp R]
 """
 from __future__ import annotations
 
@@ -179,7 +181,9 @@ class ShardedTrainingPath:
     (read units w, w+n, ... -> MeasureStage -> CarryPlanStage windows + end-of-stream flush
     -> MaterializeStage -> decode), and yields per-batch counts. Differences from the Ray
     path: each worker plans its own stream (its own windows and carry), so batch boundaries
-    differ; the samples, skips and real tokens must not (checked)."""
+    differ; the samples, skips and real tokens must not (checked). Each batch goes to the main
+    process decoded (its arrays), as a training DataLoader hands it over: the Ray side's train
+    loop decodes each batch it is handed too."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -196,7 +200,7 @@ class ShardedTrainingPath:
                 yield {"samples": 0, "skipped": len(item["skipped"]), "real_tokens": 0, "batches": 0}
             else:
                 yield {"samples": len(item["sample_ids"]), "skipped": 0, "real_tokens": int(item["real_tokens"]),
-                       "batches": 1}
+                       "batches": 1, "batch": item}
 
 
 def _train_totals() -> dict:
@@ -215,7 +219,7 @@ def _steady(x: dict) -> float:
     return (x["samples"] - x["first_samples"]) / dt if dt > 0 else 0.0
 
 
-def run_dataloader_train(cfg: Config, workers: int) -> dict:
+def run_dataloader_train(cfg: Config, workers: int, first_only: bool = False) -> dict:
     from torch.utils.data import DataLoader, IterableDataset
 
     class _DS(ShardedTrainingPath, IterableDataset):
@@ -227,11 +231,13 @@ def run_dataloader_train(cfg: Config, workers: int) -> dict:
         for k in ("samples", "skipped", "real_tokens", "batches"):
             totals[k] += int(item[k])
         _first(totals, t0)
+        if first_only and totals["first_s"] is not None:
+            break
     totals["wall_s"] = time.perf_counter() - t0
     return totals
 
 
-def run_ray_train(cfg: Config, cpus: int) -> dict:
+def run_ray_train(cfg: Config, cpus: int, first_only: bool = False) -> dict:
     """One epoch of ``pipeline.batch_dataset`` (what each Train worker's shard comes from), iterated
     on the driver one BATCH row at a time with every payload decoded, as the train loop does."""
     import json as _json
@@ -255,6 +261,8 @@ def run_ray_train(cfg: Config, cpus: int) -> dict:
                 totals["real_tokens"] += int(row[S.BATCH_REAL_TOKENS])
                 totals["batches"] += 1
                 _first(totals, t0)
+                if first_only:
+                    break
         totals["wall_s"] = time.perf_counter() - t0
     return totals
 
@@ -266,11 +274,18 @@ def main_train(args, data: str, cfg: Config) -> list[dict]:
     print(f"{'run':>3}  {'path':<12}{'samples':>8}{'skipped':>8}{'batches':>8}{'wall s':>8}{'samples/s':>11}"
           f"{'ray/DL':>8}{'1st s':>7}{'steady/s':>9}{'ray/DL':>8}{'load 1m':>8}")
     runs = []
+    first = args.first_batch_only
     for rep in range(args.repeat):
-        dl = run_dataloader_train(cfg, args.loader_workers)
+        dl = run_dataloader_train(cfg, args.loader_workers, first_only=first)
         load_dl = os.getloadavg()[0]
-        ry = run_ray_train(cfg, args.cpus)
+        ry = run_ray_train(cfg, args.cpus, first_only=first)
         load_ray = os.getloadavg()[0]
+        if first:  # the time to the first batch only: each side stops there
+            for side, x, load in (("dataloader", dl, load_dl), ("ray", ry, load_ray)):
+                print(f"{rep:>3}  {side:<12}{x['samples']:>8}{x['skipped']:>8}{x['batches']:>8}{x['wall_s']:>8.2f}"
+                      f"{'':>11}{'':>8}{x['first_s'] or 0:>7.2f}{'':>9}{'':>8}{load:>8.2f}", flush=True)
+            runs.append({"repeat": rep, "dataloader": dict(dl, load1=load_dl), "ray": dict(ry, load1=load_ray)})
+            continue
         for k in ("samples", "skipped", "real_tokens"):
             if dl[k] != ry[k]:
                 raise SystemExit(f"ray and dataloader disagree on {k}: {ry[k]} != {dl[k]}; not the same work")
@@ -324,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="Ray passes per repeat (see RAY_VARIANTS)")
     p.add_argument("--only", choices=("ray", "dataloader"), help="run one side only")
     p.add_argument("--json", metavar="PATH", help="also write the results here")
+    p.add_argument("--first-batch-only", action="store_true",
+                   help="--mode train: stop each side at its first batch (the start-up figure on large data)")
+    p.add_argument("--shuffle-buffer", type=int, default=None, help="data.shuffle_buffer (default: the config's)")
+    p.add_argument("--shuffle-ramp", type=float, default=None, help="data.shuffle_ramp (default: the config's)")
     p.add_argument("--mode", choices=("inspect", "train"), default="inspect",
                    help="inspect: read -> measure -> materialize (inspect_data's path); train: the training "
                         "data path, read -> measure -> plan -> materialize -> decode, every batch")
@@ -343,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = Config()
     cfg.data.path, cfg.data.format = data, "parquet"
     cfg.data.preprocess_workers, cfg.data.measure_batch = args.ray_workers, args.measure_batch
+    if args.shuffle_buffer is not None:
+        cfg.data.shuffle_buffer = args.shuffle_buffer
+    if args.shuffle_ramp is not None:
+        cfg.data.shuffle_ramp = args.shuffle_ramp
     if args.mode == "train":
         runs = main_train(args, data, cfg)
         if args.json:

@@ -85,11 +85,14 @@ def one_pass(cfg: Config, pad_id: int, epoch: int = 0) -> dict:
     t0 = time.perf_counter()
     ds, payloads = batch_dataset(cfg, pad_id, epoch=epoch, return_payloads=True)
     positions: list[int] = []
+    first = None
     for row in ds.iter_rows():
         positions += [int(p) for p in row[S.BATCH_POSITIONS][:int(row[S.BATCH_N_SAMPLES])]]
+        if first is None and positions:
+            first = time.perf_counter() - t0
     wall = time.perf_counter() - t0
     held = payloads.stats()
-    return {"positions": np.asarray(positions, dtype=np.int64), "wall_s": wall,
+    return {"positions": np.asarray(positions, dtype=np.int64), "wall_s": wall, "first_s": first,
             "samples_per_s": len(positions) / wall,
             "holder_peak_mb": sum(s["peak_bytes"] for s in held) / 2**20}
 
@@ -234,17 +237,20 @@ def main(argv=None):
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    variants = [("none", "none", 0, 0), ("units", "units", 0, 0),
-                (f"samples, buffer {default_buffer} (default)", "samples", default_buffer, 0),
-                (f"samples, buffer {default_buffer}, epoch 1", "samples", default_buffer, 1),
-                (f"samples, buffer {args.small_buffer}", "samples", args.small_buffer, 0)]
+    ramp = base.data.shuffle_ramp
+    variants = [("none", "none", 0, 0, ramp), ("units", "units", 0, 0, ramp),
+                (f"samples, buffer {default_buffer}, ramp {ramp} (default)", "samples", default_buffer, 0, ramp),
+                (f"samples, buffer {default_buffer}, ramp {ramp}, epoch 1", "samples", default_buffer, 1, ramp),
+                (f"samples, buffer {default_buffer}, ramp 0 (fill first)", "samples", default_buffer, 0, 0.0),
+                (f"samples, buffer {args.small_buffer}, ramp {ramp}", "samples", args.small_buffer, 0, ramp)]
     results = []
     all_positions = None
     try:
         one_pass(base, pad_id)  # warm-up: actor start-up, tokenizer files in the page cache
-        for label, mode, buffer, epoch in variants:
+        for label, mode, buffer, epoch, ramp in variants:
             cfg = copy.deepcopy(base)
             cfg.data.shuffle, cfg.data.shuffle_buffer = mode, buffer or base.data.shuffle_buffer
+            cfg.data.shuffle_ramp = ramp
             runs = [one_pass(cfg, pad_id, epoch) for _ in range(args.repeat)]
             r = max(runs, key=lambda x: x["samples_per_s"])
             assert all(np.array_equal(x["positions"], r["positions"]) for x in runs), f"{label}: order not repeated"
@@ -252,7 +258,8 @@ def main(argv=None):
                 all_positions = np.sort(r["positions"])
             assert np.array_equal(np.sort(r["positions"]), all_positions), f"{label}: samples differ"
             results.append(dict(variant=label, samples=len(r["positions"]), **figures(r["positions"], unit_subset),
-                                samples_per_s=r["samples_per_s"], holder_peak_mb=r["holder_peak_mb"]))
+                                samples_per_s=r["samples_per_s"], holder_peak_mb=r["holder_peak_mb"],
+                                first_s=min(x["first_s"] for x in runs)))
     finally:
         ray.shutdown()
 
@@ -270,11 +277,12 @@ def main(argv=None):
     units = len(unit_subset)
     print(f"{args.subsets} subsets x {args.per_subset} samples, {units} read units of {args.shard_size}, "
           f"{args.cpus} CPUs, pack 4096")
-    print(f"{'variant':<48} {'rank_corr':>9} {'worst_tv':>8} {'samples/s':>9} {'holder_mb':>9}")
+    print(f"{'variant':<48} {'rank_corr':>9} {'worst_tv':>8} {'samples/s':>9} {'holder_mb':>9} {'1st s':>6}")
     for r in results:
         sps = f"{r['samples_per_s']:9.1f}" if "samples_per_s" in r else f"{'-':>9}"
         mb = f"{r['holder_peak_mb']:9.1f}" if "holder_peak_mb" in r else f"{'-':>9}"
-        print(f"{r['variant']:<48} {r['rank_correlation']:9.3f} {r['worst_part_distance']:8.3f} {sps} {mb}")
+        first = f"{r['first_s']:6.2f}" if r.get("first_s") is not None else f"{'-':>6}"
+        print(f"{r['variant']:<48} {r['rank_correlation']:9.3f} {r['worst_part_distance']:8.3f} {sps} {mb} {first}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "subsets": names, "results": results}, indent=1))
 

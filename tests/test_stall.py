@@ -58,3 +58,31 @@ def test_pending_demands_names_the_actor_ray_cannot_place(ray_cluster):
         assert "Free now: {" in text and "CPU:" in text
     finally:
         ray.kill(a)
+
+
+def test_a_pump_pulls_before_it_is_iterated_and_hands_on_rows_and_errors():
+    """The train loop starts its first epoch's stream before building the model (train/loop.py):
+    the Pump must pull at once, hold at most ``ahead`` rows, and give every row then the error."""
+    import time
+
+    from ray_mmbatch.train.stall import Pump, guarded
+
+    pulled = []
+
+    def rows():
+        for i in range(5):
+            pulled.append(i)
+            yield i
+        raise ValueError("stream broke")
+
+    pump = Pump(rows(), ahead=2)
+    deadline = time.time() + 10
+    while len(pulled) < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    assert pulled == [0, 1, 2]  # started without a consumer; two held, the third waits to be put
+    got = []
+    with pytest.raises(ValueError, match="stream broke"):
+        for r in guarded(pump, timeout=30):
+            got.append(r)
+    assert got == [0, 1, 2, 3, 4]
+    assert list(Pump(iter([7, 8]))) == [7, 8]

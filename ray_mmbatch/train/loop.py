@@ -116,12 +116,13 @@ class Runner:
         self.eval_cache = None  # train/evaluate.EvalCache, made at the first evaluation
         self.aborted = ""  # why the skip guard stopped the run ("" = it did not)
         self.window: dict[str, float] = {}
+        self.started: dict[int, Any] = {}  # epoch -> its rows, pulled since before the model was built
 
     # -- data ----------------------------------------------------------------
-    def _rows(self, shard) -> Iterator[dict[str, Any]]:
+    def _rows(self, shard, epoch: int = -1) -> Iterator[dict[str, Any]]:
         from ray_mmbatch.train.stall import guarded
 
-        rows = shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2)
+        rows = self.started.pop(epoch, None) or shard_rows(shard)  # started before the model was built
         for row in guarded(rows, self.cfg.data.stall_timeout_s):  # DataStalled, never a silent wait
             yield {k: v[0] for k, v in row.items()}
 
@@ -166,7 +167,7 @@ class Runner:
         last_report = time.perf_counter()
         guard = [0, 0]  # samples seen / skipped in this run, for the skip guard
         for epoch, shard in enumerate(self.shards):
-            rows = self._rows(shard)
+            rows = self._rows(shard, epoch)
             first = True  # the stream's first step waits for the pools to start
             while not self._at_max_steps() and not self.aborted:
                 t0 = time.perf_counter()
@@ -344,6 +345,11 @@ class Runner:
             ckpt.write_latest(self.cfg.train.output_dir, latest.path if latest else "", state)
 
 
+def shard_rows(shard) -> Iterator[dict[str, np.ndarray]]:
+    """A rank's BATCH rows, one at a time (each block holds a few: pipeline.MATERIALIZE_ROWS)."""
+    return shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=2)
+
+
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Thin: build config, the backend's model, optimizer, restore, hand over to Runner, export."""
     import ray.train
@@ -360,6 +366,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     torch.manual_seed(cfg.train.seed)
     device = ray.train.torch.get_device()
     backend = get_backend(cfg)
+    shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
+    # A fresh run starts pulling its first epoch now, so the data pools start (actors, tokenizer,
+    # the first windows) while the model is built and loaded; a restored run knows its epoch
+    # only once the checkpoint is read, and starts its stream in Runner.run as before.
+    from ray_mmbatch.train.stall import Pump
+
+    started = {0: Pump(shard_rows(shards[0]))} if ray.train.get_checkpoint() is None else {}
     model = backend.create_model(cfg, config)
     configure_trainable(model, cfg)  # --freeze, --lora-rank: before sharding and the optimizer
     if cfg.train.fsdp:  # shard before the optimizer is built: sharding replaces the parameters
@@ -378,9 +391,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             state = load(d, model, optimizer, scheduler)
     if not cfg.train.fsdp:
         model = ray.train.torch.prepare_model(model, parallel_strategy_kwargs={"find_unused_parameters": False})
-    shards = [ray.train.get_dataset_shard(S.epoch_dataset_name(e)) for e in range(max(1, cfg.train.epochs))]
-    Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned,
-           listing=config.get("listing", ""), channel=config.get("channel")).run()
+    runner = Runner(cfg, model, optimizer, scheduler, device, shards, rank, world, state, progress, planned,
+                    listing=config.get("listing", ""), channel=config.get("channel"))
+    runner.started = started
+    runner.run()
     if cfg.train.export_hf:
         bare = getattr(model, "module", model)
         # under FSDP the parameters are shards: every rank takes part in gathering the full weights

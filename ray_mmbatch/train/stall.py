@@ -20,33 +20,51 @@ class DataStalled(RuntimeError):
     """No batch arrived within data.stall_timeout_s; str() says what Ray is waiting for."""
 
 
+class Pump:
+    """``rows`` pulled from now on in a daemon thread, at most ``ahead`` held until taken: the
+    train loop starts its first epoch's stream this way before it builds the model, so the data
+    pools start while the weights load. Iterating it yields the rows and raises what ``rows`` raised."""
+
+    def __init__(self, rows: Iterable[Any], ahead: int = 2) -> None:
+        self.q: queue.Queue = queue.Queue(maxsize=ahead)
+        threading.Thread(target=self._run, args=(rows,), name="ray_mmbatch-rows", daemon=True).start()
+
+    def _run(self, rows: Iterable[Any]) -> None:
+        try:
+            for row in rows:
+                self.q.put((row, None))
+            self.q.put((_END, None))
+        except BaseException as e:  # handed to the consumer, raised there
+            self.q.put((_END, e))
+
+    def get(self, timeout: float | None = None) -> Any:
+        """The next row, or _END; raises what the stream raised, queue.Empty after ``timeout``."""
+        row, err = self.q.get(timeout=timeout)
+        if err is not None:
+            raise err
+        return row
+
+    def __iter__(self) -> Iterator[Any]:
+        while (row := self.get()) is not _END:
+            yield row
+
+
 def guarded(rows: Iterable[Any], timeout: float, describe: Callable[[], str] | None = None) -> Iterator[Any]:
-    """``rows`` as they come; DataStalled when one takes longer than ``timeout`` seconds (0 = never)."""
+    """``rows`` (or a started Pump) as they come; DataStalled when one takes longer than ``timeout``
+    seconds (0 = never)."""
     if not timeout or timeout <= 0:
         yield from rows
         return
-    q: queue.Queue = queue.Queue(maxsize=2)
-
-    def pump() -> None:
-        try:
-            for row in rows:
-                q.put((row, None))
-            q.put((_END, None))
-        except BaseException as e:  # handed to the consumer, raised there
-            q.put((_END, e))
-
-    threading.Thread(target=pump, name="ray_mmbatch-rows", daemon=True).start()
+    pump = rows if isinstance(rows, Pump) else Pump(rows)
     while True:
         try:
-            row, err = q.get(timeout=timeout)
+            row = pump.get(timeout=timeout)
         except queue.Empty:
             why = (describe or pending_demands)()
             raise DataStalled(
                 f"no batch for {timeout:g} s (data.stall_timeout_s): the data stream makes no progress. {why} "
                 "Give the preprocessing nodes more CPU slots, lower --preprocess-workers / --num-workers, or raise "
                 "--set data.stall_timeout_s=N if the stream is just slow.") from None
-        if err is not None:
-            raise err
         if row is _END:
             return
         yield row
