@@ -203,6 +203,19 @@ class ShardedTrainingPath:
                        "batches": 1, "batch": item}
 
 
+def _pools_started_at() -> float | None:
+    """Unix time the first measure / materialize actor of the pass finished starting (GCS actor
+    table, as train/stall.py reads it): "the pools starting" in the first-batch figure."""
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    rows = [gcs_pb2.ActorTableData.FromString(t)
+            for t in state._connect_and_get_accessor().get_actor_table(None, None)]
+    starts = [r.start_time / 1e3 for r in rows if r.start_time and
+              ("MeasureStage" in r.class_name or "MaterializeStage" in r.class_name)]
+    return min(starts) if starts else None
+
+
 def _train_totals() -> dict:
     return {"samples": 0, "skipped": 0, "real_tokens": 0, "batches": 0, "first_s": None, "first_samples": 0}
 
@@ -251,7 +264,8 @@ def run_ray_train(cfg: Config, cpus: int, first_only: bool = False) -> dict:
         pad_id = token_ids(cfg)["pad_id"]
         set_deterministic(cfg.train.deterministic)
         totals = _train_totals()
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
+        first_at = None
         for row in batch_dataset(cfg, pad_id).iter_rows():
             totals["skipped"] += len(_json.loads(row[S.BATCH_SKIPPED]))
             n = int(row[S.BATCH_N_SAMPLES])
@@ -261,9 +275,13 @@ def run_ray_train(cfg: Config, cpus: int, first_only: bool = False) -> dict:
                 totals["real_tokens"] += int(row[S.BATCH_REAL_TOKENS])
                 totals["batches"] += 1
                 _first(totals, t0)
+                first_at = first_at or time.time()
                 if first_only:
                     break
         totals["wall_s"] = time.perf_counter() - t0
+        pools = _pools_started_at()
+        totals["pools_s"] = pools - wall0 if pools else None  # pools up, from the start of the pass
+        totals["after_pools_s"] = first_at - pools if pools and first_at else None
     return totals
 
 
@@ -282,8 +300,10 @@ def main_train(args, data: str, cfg: Config) -> list[dict]:
         load_ray = os.getloadavg()[0]
         if first:  # the time to the first batch only: each side stops there
             for side, x, load in (("dataloader", dl, load_dl), ("ray", ry, load_ray)):
+                after = f"pools up at {x['pools_s']:.2f} s, first batch {x['after_pools_s']:.2f} s after" \
+                    if x.get("after_pools_s") is not None else ""
                 print(f"{rep:>3}  {side:<12}{x['samples']:>8}{x['skipped']:>8}{x['batches']:>8}{x['wall_s']:>8.2f}"
-                      f"{'':>11}{'':>8}{x['first_s'] or 0:>7.2f}{'':>9}{'':>8}{load:>8.2f}", flush=True)
+                      f"{'':>11}{'':>8}{x['first_s'] or 0:>7.2f}{'':>9}{'':>8}{load:>8.2f}  {after}", flush=True)
             runs.append({"repeat": rep, "dataloader": dict(dl, load1=load_dl), "ray": dict(ry, load1=load_ray)})
             continue
         for k in ("samples", "skipped", "real_tokens"):
@@ -294,7 +314,9 @@ def main_train(args, data: str, cfg: Config) -> list[dict]:
         for side, x, load, r, sr in (("dataloader", dl, load_dl, None, None), ("ray", ry, load_ray, ratio, steady)):
             print(f"{rep:>3}  {side:<12}{x['samples']:>8}{x['skipped']:>8}{x['batches']:>8}{x['wall_s']:>8.2f}"
                   f"{x['samples'] / x['wall_s']:>11.1f}{f'{r:.2f}' if r else '':>8}{x['first_s'] or 0:>7.2f}"
-                  f"{_steady(x):>9.1f}{f'{sr:.2f}' if sr else '':>8}{load:>8.2f}", flush=True)
+                  f"{_steady(x):>9.1f}{f'{sr:.2f}' if sr else '':>8}{load:>8.2f}"
+                  + (f"  pools up {x['pools_s']:.2f} s, 1st batch +{x['after_pools_s']:.2f} s"
+                     if x.get("after_pools_s") is not None else ""), flush=True)
         runs.append({"repeat": rep, "dataloader": dict(dl, load1=load_dl, steady=_steady(dl)),
                      "ray": dict(ry, load1=load_ray, steady=_steady(ry)), "ratio": ratio, "steady_ratio": steady})
     return runs

@@ -56,14 +56,24 @@ from ray_mmbatch.data.position import ROW_BITS  # noqa: E402
 
 
 def make_dataset(root: str, subsets: int, per_subset: int, shard_size: int) -> str:
-    """``subsets`` sorted folders of WebDataset shards (made once per shape)."""
+    """``subsets`` sorted subsets of WebDataset shards in one folder (``sub-00-*.tar`` ...), made once
+    per shape. One folder, not a folder per subset: since issue 33 a folder of data folders is a
+    dataset of configs, read as a blend (one source each, stratified), which is not what this
+    measures: the order of ONE source whose listing is sorted by subset."""
+    import shutil
+
     from ray_mmbatch.synthetic.generate import generate_dataset
 
-    path = os.path.join(root, f"mix-{subsets}x{per_subset}-{shard_size}")
+    path = os.path.join(root, f"mix1-{subsets}x{per_subset}-{shard_size}")
     if not os.path.exists(os.path.join(path, "done")):
+        os.makedirs(path, exist_ok=True)
         for k in range(subsets):
-            generate_dataset(os.path.join(path, f"sub-{k:02d}"), per_subset, "webdataset", seed=k,
-                             shard_size=shard_size, workers=1)
+            tmp = os.path.join(path, f".tmp-{k:02d}")
+            generate_dataset(tmp, per_subset, "webdataset", seed=k, shard_size=shard_size, workers=1)
+            for name in sorted(os.listdir(tmp)):
+                if name.endswith(".tar"):
+                    os.replace(os.path.join(tmp, name), os.path.join(path, f"sub-{k:02d}-{name}"))
+            shutil.rmtree(tmp)
         Path(path, "done").write_text("")
     return path
 
@@ -73,8 +83,9 @@ def subset_of_units(cfg: Config) -> tuple[list[int], list[str]]:
     from ray_mmbatch.formats.units import read_units
 
     units = read_units(cfg.data.path, cfg.data)[0]
-    names = sorted({u["rel"].split("/")[0] for u in units})
-    return [names.index(u["rel"].split("/")[0]) for u in units], names
+    sub = [u["rel"].rsplit("/", 1)[-1][:6] for u in units]  # sub-NN
+    names = sorted(set(sub))
+    return [names.index(x) for x in sub], names
 
 
 def one_pass(cfg: Config, pad_id: int, epoch: int = 0) -> dict:

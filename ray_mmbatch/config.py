@@ -330,9 +330,9 @@ class DataConfig:
     """Samples in the shuffle buffer of --shuffle samples (light rows in the plan actor, ~250 bytes each;
     their image bytes wait in the payload holders meanwhile). Mixing spans about this many samples plus the
     read units around them: raise it for large units or many subsets."""
-    shuffle_ramp: float = flag("--shuffle-ramp", 0.25)
+    shuffle_ramp: float = flag("--shuffle-ramp", 0.1)
     """While the shuffle buffer grows to --shuffle-buffer, this share of the rows read goes on to planning
-    (batching/shuffle.py), so the first batch comes after a few hundred samples are measured whatever the
+    (batching/shuffle.py), so the first batch comes after ~128 / ramp samples are measured whatever the
     buffer's size; the first ~buffer / (1 - ramp) samples of an epoch are then mixed over the rows read so
     far. 0 = fill the whole buffer before the first batch (best-mixed start, slowest first batch)."""
     stall_timeout_s: float = flag("--stall-timeout", 1800.0)
