@@ -35,7 +35,6 @@ import glob
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -370,14 +369,9 @@ def main(argv: list[str] | None = None) -> int:
                         "data path, read -> measure -> plan -> materialize -> decode, every batch")
     args = p.parse_args(argv)
 
-    tmp = None
-    data = args.data
-    if not data:
-        from ray_mmbatch.synthetic.generate import generate_dataset
+    from common import data_or_generated
 
-        tmp = tempfile.TemporaryDirectory(prefix="bench_ingest_")
-        data = tmp.name
-        generate_dataset(data, args.samples, "parquet", seed=args.seed)
+    data, tmp = data_or_generated(args.data, args.samples, args.seed, "bench_ingest_")
     files = sorted(glob.glob(os.path.join(data, "**", "*.parquet"), recursive=True))
     if not files:
         raise SystemExit(f"no Parquet files under {data}")

@@ -27,7 +27,6 @@ import copy
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -111,14 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0))
     if max(args.cpus) > len(cores):
         raise SystemExit(f"--cpus {max(args.cpus)} > the {len(cores)} cores this process may use")
-    tmp = None
-    data = args.data
-    if not data:
-        from ray_mmbatch.synthetic.generate import generate_dataset
+    from common import data_or_generated
 
-        tmp = tempfile.TemporaryDirectory(prefix="bench_sizing_")
-        data = tmp.name
-        generate_dataset(data, args.samples, "parquet", seed=args.seed)
+    data, tmp = data_or_generated(args.data, args.samples, args.seed, "bench_sizing_")
     cfg = Config()
     cfg.data.path, cfg.data.format = data, "parquet"
     cfg.budget.window, cfg.data.shuffle_buffer = args.window, args.shuffle_buffer

@@ -31,3 +31,17 @@ def _object_array(values: list) -> np.ndarray:
     out = np.empty(len(values), dtype=object)
     out[:] = values
     return out
+
+
+def data_or_generated(data: str | None, samples: int, seed: int, prefix: str):
+    """(folder, temp dir to clean up or None): ``data`` as given, else ``samples`` generated Parquet
+    samples in a temp folder."""
+    if data:
+        return data, None
+    import tempfile
+
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    tmp = tempfile.TemporaryDirectory(prefix=prefix)
+    generate_dataset(tmp.name, samples, "parquet", seed=seed)
+    return tmp.name, tmp
