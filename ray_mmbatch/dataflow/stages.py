@@ -281,7 +281,8 @@ class CarryPlanStage:
             self.pending += self.buffer.flush()
         groups: list[list[dict]] = []
         while len(self.pending) >= self.window_size() or (self.ended and self.pending):
-            size = self.window_size()
+            # small windows only to start early; at the end everything is here: whole windows (fill)
+            size = self.window if self.ended else self.window_size()
             part, self.pending = self.pending[:size], self.pending[size:]
             self.windows += 1
             key = str(part[0][S.SAMPLE_ID])  # a function of the stream, not of Ray's batch cuts
