@@ -168,6 +168,12 @@ def _base(sample_id: str) -> str:
     return sample_id.rsplit("~", 1)[0]
 
 
+def _worst_stretch_gap(ids: list[str]) -> int:
+    """The largest |count of a source in a fifth of the epoch (60 samples) - its share of 60|."""
+    return max(abs(sum(source_of(i) == name for i in ids[f * 60:(f + 1) * 60]) - round(60 * w))
+               for f in range(5) for name, w in (("parquet", 0.6), ("webdataset", 0.3), ("llava", 0.1)))
+
+
 def test_blend_counts_up_and_down_sampling_and_the_mix_of_every_fifth(equal_three):
     from collections import Counter
 
@@ -179,18 +185,16 @@ def test_blend_counts_up_and_down_sampling_and_the_mix_of_every_fifth(equal_thre
         assert per == {"parquet": 180, "webdataset": 90, "llava": 30}  # exact shares of 0.6 / 0.3 / 0.1
         up = [_base(i) for i in ids if source_of(i) == "parquet"]
         assert len(set(up)) == 100 and max(Counter(up).values()) == 2  # every sample once, 80 of them twice
-        for f in range(5):  # the mix of every stretch, not just the totals (stratified: batching/shuffle.py)
-            part = ids[f * 60:(f + 1) * 60]
-            for name, w in (("parquet", 0.6), ("webdataset", 0.3), ("llava", 0.1)):
-                # the issue asks 0.1; a plain random order misses 0.05 here (3 samples of 60)
-                assert abs(sum(source_of(i) == name for i in part) / 60 - w) <= 0.05, (f, name)
-    for seed in (1, 2):  # not one lucky seed
+        assert _worst_stretch_gap(ids) <= 4  # the mix of every stretch, not just the totals
+    # Over seeds: every fifth of the epoch within 4 samples of 60 of each share (0.067; the issue asks
+    # 0.1 = 6), and 2-3 on average. A plain random order of these 300 misses by 7-8 (sd 3.8 at 0.6).
+    # (Per seed the worst gap is 1-4 with or without the growing buffer, --shuffle-ramp 0 / 0.1:
+    # measured over seeds 0-11, RESULTS.md issue 34; so no single seed is asserted at 3.)
+    gaps = []
+    for seed in range(6):
         cfg.train.seed = seed
-        ids = [str(s) for b in local_batches(cfg) for s in b["sample_ids"]]
-        for f in range(5):
-            part = ids[f * 60:(f + 1) * 60]
-            for name, w in (("parquet", 0.6), ("webdataset", 0.3), ("llava", 0.1)):
-                assert abs(sum(source_of(i) == name for i in part) / 60 - w) <= 0.05, (seed, f, name)
+        gaps.append(_worst_stretch_gap([str(s) for b in local_batches(cfg) for s in b["sample_ids"]]))
+    assert max(gaps) <= 4 and sum(gaps) / len(gaps) <= 3, gaps
     cfg.train.seed = 0
     down = [{i for i in ids if source_of(i) == "llava"} for ids in epochs]
     assert len(down[0]) == 30 and down[0] != down[1]  # a seeded subset, another one each epoch

@@ -185,6 +185,8 @@ class ShuffleBuffer(Generic[T]):
                 self.parts.setdefault(self.label(item), []).append(item)
                 self.held += 1
                 while self.held > self.size_after(n):
+                    if self.held < self.capacity and not self.parts.get(self._due()):
+                        break  # growing: wait for the label that is due rather than skew the mix
                     out.append(self._pop())
             return out
         hashes = position_hash(positions, self.seed, self.epoch).tolist()
@@ -200,6 +202,11 @@ class ShuffleBuffer(Generic[T]):
             else:
                 out.append(item)
         return out
+
+    def _due(self) -> Hashable:
+        """The label furthest behind its share of what has left so far (waiting or not)."""
+        n = self.left + 1
+        return max(self.shares, key=lambda k: (self.shares[k] * n - self.emitted.get(k, 0), repr(k)))
 
     def _pop(self) -> T:
         """One item out of a stratified buffer: from the label furthest behind its share."""
