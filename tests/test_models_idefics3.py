@@ -265,4 +265,5 @@ def test_verify_packing_job_through_the_data_path(ckpt, tmp_path_factory, capsys
     (pack mode with splitting, pad mode without: both modes are exact for both above)."""
     mode = "pack" if _splitting(ckpt) else "pad"
     report = h.verify_packing(ckpt, h.generated_data(tmp_path_factory, "idefics3_verify_data"), mode, 1024, capsys)
-    assert mode == "pad" or report["samples"] > 2
+    # a real pack among the first three batches (which ones come first is the seeded sample order's)
+    assert mode == "pad" or report["samples"] > report["batches"]
