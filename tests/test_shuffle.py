@@ -280,3 +280,26 @@ def test_the_plan_stage_plans_while_the_buffer_grows(tmp_path):
 
 def _rows_of(window: dict) -> list[dict]:
     return [{k: v[i] for k, v in window.items()} for i in range(len(next(iter(window.values()))))]
+
+
+def test_the_ramped_plan_stage_plans_the_same_whatever_the_cuts(tmp_path):
+    """Small windows while the buffer grows, whole ones for the end's flush: the batches are the same
+    whether the end row comes in a call of its own or with every row (Ray's cuts vs local_batches')."""
+    from ray_mmbatch import schema as S
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.dataflow.local import _chunks, _measured_rows
+    from ray_mmbatch.dataflow.payload_store import LocalPayloads
+    from ray_mmbatch.dataflow.stages import CarryPlanStage
+    from ray_mmbatch.models import configure
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    generate_dataset(str(tmp_path / "d"), 600, "parquet", seed=2, workers=1)
+    cfg = Config()
+    cfg.data.path, cfg.data.format = str(tmp_path / "d"), "parquet"
+    cfg = configure(cfg)
+    rows = list(_measured_rows(cfg, end_marker=True, payloads=LocalPayloads()))
+    plans = []
+    for chunk in (64, 7, len(rows)):
+        stage = CarryPlanStage(cfg.budget, 0, 0, shuffle_buffer=16384, shuffle_ramp=0.25)
+        plans.append([list(b) for window in _chunks(iter(rows), chunk) for b in stage(window)[S.BATCH_SAMPLE_IDS]])
+    assert plans[0] == plans[1] == plans[2] and sum(map(len, plans[0])) == 600

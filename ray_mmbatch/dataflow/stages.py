@@ -255,6 +255,7 @@ class CarryPlanStage:
 
         self.seed, self.epoch, self.window = seed, epoch, max(1, budget_cfg.window)
         self.windows = 0  # windows planned: the first ones are smaller (window_size)
+        self.streamed = self.planned = 0  # rows out of the buffer before its end flush; rows planned
         self.planner = CarryPlanner(Budget.from_config(budget_cfg), budget_cfg.algorithm, budget_cfg.carry)
         # strata (a blend: {source: share}): the buffer lets out each source by its share (batching/shuffle.py)
         self.buffer = ShuffleBuffer(shuffle_buffer, seed or 0, epoch, shares=strata,
@@ -276,15 +277,22 @@ class CarryPlanStage:
         t0 = time.perf_counter()
         ok, skipped, window_key, end = _split_window(batch)
         self.ended = self.ended or end
-        self.pending += self.buffer.push(ok, [_position(r)[0] for r in ok])
+        left = self.buffer.push(ok, [_position(r)[0] for r in ok])
+        self.pending += left
+        self.streamed += len(left)
         if self.ended:  # at the end, or rows that came after an early end row: nothing may stay behind
             self.pending += self.buffer.flush()
         groups: list[list[dict]] = []
-        while len(self.pending) >= self.window_size() or (self.ended and self.pending):
-            # small windows only to start early; at the end everything is here: whole windows (fill)
-            size = self.window if self.ended else self.window_size()
+        while self.pending:
+            # small windows only over rows that left the buffer while the stream ran (an early
+            # start); a window reaching into the end's flush is a whole one (fill). Both counts are
+            # functions of the stream, so the windows do not depend on how Ray cuts it into calls.
+            small = self.window_size()
+            size = small if self.planned + small <= self.streamed else self.window
+            if len(self.pending) < size and not self.ended:
+                break
             part, self.pending = self.pending[:size], self.pending[size:]
-            self.windows += 1
+            self.windows, self.planned = self.windows + 1, self.planned + len(part)
             key = str(part[0][S.SAMPLE_ID])  # a function of the stream, not of Ray's batch cuts
             groups += self._mixed(self.planner.feed(part, *_costs(part),
                                                     seed=window_seed(self.seed, self.epoch, key)))
