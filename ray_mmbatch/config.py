@@ -28,6 +28,10 @@ def flag(name: str, default: Any) -> Any:
 
 @dataclass
 class ImageConfig:
+    """Images: decoding limits and the resize family that gives each image its patch grid and token count.
+
+    A ``--model`` checkpoint sets the resize, sizes, mean and std from its preprocessor_config.json."""
+
     patch_size: int = flag("--patch-size", 14)
     """Side of a square vision patch, in pixels."""
     merge_size: int = flag("--merge-size", 2)
@@ -92,6 +96,8 @@ class ImageConfig:
 
 @dataclass
 class TextConfig:
+    """Text: the tokenizer, the chat template and which turns are targets."""
+
     tokenizer: str = flag("--tokenizer", "")
     """Path to a Hugging Face tokenizer directory; empty = the small BPE tokenizer shipped in the package."""
     train_on_prompt: bool = False
@@ -110,6 +116,8 @@ class TextConfig:
 
 @dataclass
 class BudgetConfig:
+    """Batches: pack or pad, the budgets every batch stays within, and the planner's windows and carry."""
+
     mode: str = flag("--mode", "pack")
     """'pack' (one packed sequence per batch) or 'pad' (rows padded to the longest)."""
     max_tokens: int = flag("--max-tokens", 4096)
@@ -135,6 +143,8 @@ class BudgetConfig:
 
 @dataclass
 class ModelConfig:
+    """The model: a local Hugging Face checkpoint or the built-in one, attention, and what trains (freeze, LoRA)."""
+
     path: str = flag("--model", "")
     """A local Hugging Face checkpoint directory (config.json + weights + tokenizer + preprocessor_config.json);
     empty = the small built-in model, trained from scratch."""
@@ -197,6 +207,8 @@ class ModelConfig:
 
 @dataclass
 class TrainConfig:
+    """The run: Ray Train workers, steps and epochs, optimizer, precision, checkpoints, evaluation, trackers."""
+
     num_workers: int = flag("--num-workers", 1)
     """Ray Train workers (data-parallel ranks)."""
     use_gpu: bool = flag("--use-gpu", False)
@@ -269,6 +281,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
+    """The data: where it is, its format and columns, splits and filters, sample order, the preprocessing pools."""
+
     path: str = flag("--data", "")
     """Dataset location: a file, folder or glob, as a local path or a URI of any pyarrow filesystem (s3://,
     gs://, abfs://, hdfs://, file://; credentials and AWS_ENDPOINT_URL from the environment); empty = generate
