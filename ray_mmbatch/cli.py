@@ -16,7 +16,7 @@ import inspect
 import sys
 from typing import Any
 
-from ray_mmbatch.config import Config, cli_flags, load_config
+from ray_mmbatch.config import Config, absolute_locations, cli_flags, load_config
 
 # flag -> "section.field": the flags config.py declares on its fields (config.flag)
 FLAGS: dict[str, str] = cli_flags()
@@ -70,7 +70,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key.strip()] = value
-    return load_config(args.config, overrides)
+    return absolute_locations(load_config(args.config, overrides))
 
 
 

@@ -14,6 +14,7 @@ every other field is set with ``--set section.field=value``. Pure module: no ray
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -472,6 +473,38 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ValueError(f"{path}: expected a mapping of sections")
         apply_overrides(cfg, flatten(loaded))
     apply_overrides(cfg, overrides or {})
+    return cfg
+
+
+#: fields (and data.sources keys) holding a dataset, checkpoint or tokenizer location
+_LOCATION_FIELDS = ("data.path", "data.image_root", "data.eval_data", "model.path", "text.tokenizer", "train.storage")
+
+
+def _absolute(value: str) -> str:
+    """A relative local path that exists here, made absolute (its ``#...`` options kept); anything else as is."""
+    if not isinstance(value, str) or not value or "://" in value:
+        return value
+    base, sep, options = value.partition("#")
+    if os.path.isabs(base) or not os.path.exists(base):
+        return value
+    return os.path.abspath(base) + sep + options
+
+
+def absolute_locations(cfg: Config) -> Config:
+    """Make the relative local paths of ``cfg`` absolute, from the directory the command was started in.
+
+    The driver resolves them: Ray Train's controller, the Train workers and the Ray Data tasks run in other
+    working directories, where ``--data my_data/`` would name nothing. A path that does not exist here (a typo,
+    or one that only exists on the cluster's nodes) is left as written, for the preflight to name."""
+    for key in _LOCATION_FIELDS:
+        section, name = key.split(".")
+        sec = getattr(cfg, section)
+        setattr(sec, name, _absolute(getattr(sec, name)))
+    for source in cfg.data.sources:
+        if isinstance(source, dict):
+            for name in ("path", "image_root", "eval_data"):
+                if name in source:
+                    source[name] = _absolute(source[name])
     return cfg
 
 

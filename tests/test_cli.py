@@ -32,6 +32,23 @@ def test_flags_override_the_yaml_file(tmp_path):
     assert load_config(tmp_path / "best.yaml").budget.max_tokens == 8192
 
 
+def test_relative_locations_are_resolved_where_the_command_starts(tmp_path, monkeypatch):
+    """Ray Train's controller and the data tasks run in other directories: `--data my_data/` must name the
+    folder the user sees (the docs' commands found this: train failed with 'dataset path does not exist')."""
+    (tmp_path / "my_data").mkdir()
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    got = _parse(["--data", "my_data/", "--data", "my_data#0.5", "--model", "ckpt", "--eval-data", "nowhere/",
+                  "--image-root", "s3://bucket/images", "--tokenizer", ""])
+    assert [s["path"] for s in got.data.sources] == [str(tmp_path / "my_data"), f"{tmp_path / 'my_data'}"]
+    assert got.model.path == str(tmp_path / "ckpt")
+    assert got.data.eval_data == "nowhere/"  # does not exist here: left for the preflight to name as written
+    assert got.data.image_root == "s3://bucket/images" and got.text.tokenizer == ""
+    one = _parse(["--data", "my_data/", "--set", "data.eval_data=my_data#split=validation"])
+    assert one.data.path == str(tmp_path / "my_data")
+    assert one.data.eval_data == f"{tmp_path / 'my_data'}#split=validation"
+
+
 def test_every_flag_names_a_real_field_and_typos_fail():
     fields = {f"{s}.{k}" for s, sub in Config().to_dict().items() for k in sub}
     assert set(FLAGS.values()) <= fields

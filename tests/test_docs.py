@@ -8,8 +8,9 @@ cluster (a CLI start-up is what most of the time would be otherwise); other line
 blocks of one page share one namespace and run in order.
 
 The tiny local equivalents, applied to every command: ``--use-gpu`` and ``--data-resource R`` are dropped,
-``--num-workers N`` is capped at 2 and ``ray job submit [opts] -- CMD`` runs CMD here. Directives, HTML
-comments on the lines right above a fence (docs/contributing.md lists them):
+``--num-workers N`` is capped at 2, ``ray job submit [opts] -- CMD`` runs CMD here, and ``ray start / stop / up /
+down / dashboard / get-auth-token`` do nothing: the shared local cluster stands in for the cluster they manage.
+Directives, HTML comments on the lines right above a fence (docs/contributing.md lists them):
 
 - ``<!-- docs-test: skip REASON -->``: not run (a cloud account, ``pip install``...); the reason is required.
 - ``<!-- docs-test: file PATH -->``: the block's text is written to PATH instead (a YAML config).
@@ -57,6 +58,11 @@ def doc_pages() -> list[Path]:
     return [ROOT / "README.md"] + sorted(p for p in DOCS.rglob("*.md"))
 
 
+#: README.md's first block is its two commands (set-up + the demo, set-up + the tests): .ci/run runs the second,
+#: quickstart.md runs the demo's job, and re-running the set-up inside the tests it sets up would prove nothing
+README_TOP = "the README's two commands: .ci/run runs the test command, quickstart.md the demo's job"
+
+
 def parse_blocks(text: str, page: str) -> list[Block]:
     """The fenced blocks of a Markdown page with the directives written right above each."""
     blocks: list[Block] = []
@@ -83,6 +89,8 @@ def parse_blocks(text: str, page: str) -> list[Block]:
             body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i].lstrip())
             i += 1
         block = Block(page, i - len(body), lang, "\n".join(body) + "\n")
+        if page == "README.md" and not blocks:
+            block.skip = README_TOP
         for name, arg, at in pending:
             if name == "skip":
                 if not arg:
@@ -161,7 +169,14 @@ def docs_assets(tmp_path_factory):
     return root
 
 
+#: the repo's top-level entries a page's commands use from the repo root (`python benchmarks/...`)
+REPO_ENTRIES = ("benchmarks", "examples", "jobs", "scripts", "cluster.yaml", "pyproject.toml")
+
+
 def _workspace(assets: Path, page_text: str, into: Path) -> Path:
+    """The page's working folder: the repo root as a user has it (its scripts), plus the data the docs name."""
+    for name in REPO_ENTRIES:
+        (into / name).symlink_to(ROOT / name, target_is_directory=(ROOT / name).is_dir())
     for name in WORKSPACE_DATA:
         (into / name).symlink_to(assets / name, target_is_directory=True)
     (into / "checkpoints").mkdir()
@@ -176,6 +191,8 @@ def _workspace(assets: Path, page_text: str, into: Path) -> Path:
 
 # --- running a block ------------------------------------------------------------------------------------------
 
+#: `ray X` commands that start, stop or reach a cluster: the shared local cluster stands in for it
+CLUSTER_LIFECYCLE = ("start", "stop", "up", "down", "dashboard", "attach", "exec", "status", "get-auth-token")
 JOBS = {p.stem: p.stem for p in (ROOT / "jobs").glob("*.py") if p.stem != "__init__"}
 
 
@@ -218,6 +235,8 @@ def _in_process(argv: list[str]) -> int | None:
 
         main = importlib.import_module(f"ray_mmbatch.commands.{module}").main
         return _exit_code(lambda: main(local_equivalent(argv[2:]), prog=argv[1]))
+    if argv[0] == "ray" and len(argv) > 1 and argv[1] in CLUSTER_LIFECYCLE:
+        return 0  # the shared local cluster stands in for the one these start, stop or reach
     if argv[:3] == ["ray", "job", "submit"] and "--" in argv:
         return _in_process(argv[argv.index("--") + 1:])
     return None
@@ -332,7 +351,7 @@ def test_local_equivalent_of_a_cluster_command():
 def test_documented_examples_run(page, ray_cluster, docs_assets, tmp_path, monkeypatch):
     """Every runnable block of the page runs as documented, on generated data and tiny checkpoints."""
     ran = run_page(ROOT / page, tmp_path, docs_assets, monkeypatch)
-    blocks = [b for b in parse_blocks((ROOT / page).read_text(), page) if b.runs]
+    blocks = [b for b in parse_blocks((ROOT / page).read_text(), Path(page).name) if b.runs]
     assert ran == len(blocks)
 
 
@@ -346,6 +365,15 @@ def test_site_builds_with_warnings_as_errors(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     flags = (tmp_path / "site" / "reference" / "flags" / "index.html").read_text()
     assert "--max-tokens" in flags and "data.payload_memory_mb" in flags
+
+
+def test_committed_flags_page_is_current():
+    """docs/reference/flags.md (read on GitHub; the site build regenerates it) equals what config.py gives now.
+    Regenerate with `python -m ray_mmbatch.flagdoc > docs/reference/flags.md`."""
+    from ray_mmbatch.flagdoc import render
+
+    assert (DOCS / "reference" / "flags.md").read_text() == render() + "\n", \
+        "docs/reference/flags.md is stale: python -m ray_mmbatch.flagdoc > docs/reference/flags.md"
 
 
 def test_flags_page_lists_every_field_and_every_flag():
