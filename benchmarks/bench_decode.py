@@ -1,4 +1,4 @@
-"""What does exact decode cost? data/image.py ``decode_image`` exact (default) vs ``fast_decode``.
+"""What does exact decode cost? data/image/ ``decode_image`` exact (default) vs ``fast_decode``.
 
 Per image (real photo, skimage coffee, resized and encoded): header probe + grid, then the
 decode materialize does (decode, EXIF, RGB, bicubic resize, crop), the best of ``--repeat``

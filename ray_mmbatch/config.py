@@ -57,7 +57,7 @@ class ImageConfig:
     grid closest to the image's aspect, plus a thumbnail tile when more than one, as HF's GotOcr2 processor)
     or 'squash' (Gemma 3: a plain bilinear resize to image_size x image_size, the aspect not kept, no crop)
     or 'anyres' (LLaVA-OneVision: a base tile plus crops of the grid_pinpoints resolution that fits best,
-    one padded square tile per image in a sample of several images; tokens from the aspect, see data/image.py)
+    one padded square tile per image in a sample of several images; tokens from the aspect, see data/image/anyres.py)
     or 'split' (Idefics3 / SmolVLM image splitting: Lanczos to the longest edge max_tiles * image_size, then rows x
     cols image_size views plus a global view) or 'global' (the same without splitting: one image_size view)."""
     image_size: int = 336

@@ -17,7 +17,7 @@ import ray_mmbatch
 # pure packages / top-level modules -> may they import torch?
 PURE = {"data": False, "batching": False, "formats": False, "synthetic": False, "config": False, "schema": False,
         "models": True, "hf": True}
-SHELL = {"dataflow", "run", "train", "commands", "cli", "assets"}
+SHELL = {"dataflow", "run", "train", "commands", "cli", "assets", "flagdoc"}  # flagdoc: renders the commands
 
 CHECK = """
 import importlib, pkgutil, sys

@@ -2,7 +2,7 @@
 blocks attending bidirectionally, sliding-window layers; packed rows get explicit per-layer masks.
 
 Cost model: every image is resized to S x S (a plain bilinear resize, the aspect not kept,
-nothing cropped: HF's Gemma 3 image processor; data/image.py resize='squash'), a (1, S/ps, S/ps)
+nothing cropped: HF's Gemma 3 image processor; data/image/ resize='squash'), a (1, S/ps, S/ps)
 patch grid that the projector average-pools k x k into ``mm_tokens_per_image`` LM tokens, so the
 data path's merge_size is k (896 px, 14-px patches, 64 x 64 -> 16 x 16 = 256 tokens in real
 checkpoints). Text: the chat template writes ``<start_of_image>`` per image and the processor
@@ -68,7 +68,7 @@ _NO_FLASH = ("Gemma 3 does not run on flash_attention_2 (transformers refuses it
 
 
 def _pixel_settings(pre: dict, where: str) -> dict:
-    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    """ImageConfig values from the image processor; anything data/image/ would not reproduce raises."""
     from ray_mmbatch.models.hf_common import pixel_settings
 
     pixels = pixel_settings(pre, where, "Gemma 3", resample=_BILINEAR, mean=_MEAN, std=_STD,

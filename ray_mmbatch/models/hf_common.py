@@ -12,7 +12,7 @@ normalization across micro-batches and ranks stays train/step.py's (sum here, di
 ``use_cache=False`` always: with a cache HF stops detecting packed sequences and attention
 crosses samples.
 
-Pixels travel as uint8 patches (data/image.py patchify order) and are normalized here, on the
+Pixels travel as uint8 patches (data/image/ patchify order) and are normalized here, on the
 training device: ``(x / 255 - mean) / std`` per channel, repeated over ``temporal_patch_size``
 (a still image is ``temporal`` identical frames), the layout HF's Qwen-VL processors emit.
 """
@@ -121,7 +121,7 @@ def open_checkpoint(cfg, name: str, family: str, model_types: tuple[str, ...]):
 def pixel_settings(pre: dict[str, Any], where: str, family: str, *, resample: int, mean, std,
                    types: tuple[str, ...] = (), always: tuple[str, ...] = ("do_resize",)) -> dict[str, Any]:
     """The image processor checks every HF backend shares; returns {"image_mean", "image_std"} as the data path
-    normalizes with them (data/image.py resizes, rescales by 1/255 and normalizes on the device).
+    normalizes with them (data/image/ resizes, rescales by 1/255 and normalizes on the device).
 
     ``pre``: the processor's settings (checkpoint_files), read from ``where``. Refused: none at all; an
     ``image_processor_type`` outside ``types`` (when given; unset means ``types[0]``); any step in ``always``

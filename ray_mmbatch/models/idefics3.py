@@ -1,6 +1,6 @@
 """Idefics3 / SmolVLM backend (``Idefics3ForConditionalGeneration``, ``SmolVLMForConditionalGeneration``).
 
-Cost model, HF's PIL image processor formula for formula (data/image.py): every image is resized
+Cost model, HF's PIL image processor formula for formula (data/image/): every image is resized
 (Lanczos) so that its longest edge is ``size['longest_edge']`` = max_tiles * S (S =
 ``max_image_size``; aspect kept, the other side truncated and made even, 1 x 1 images blown up
 too). With ``do_image_splitting`` (the checkpoints' default; resize='split') it is resized again
@@ -67,7 +67,7 @@ def _longest(value, where: str) -> int:
 
 
 def _pixel_settings(pre: dict, where: str) -> dict:
-    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    """ImageConfig values from the image processor; anything data/image/ would not reproduce raises."""
     from ray_mmbatch.models.hf_common import pixel_settings
 
     pixels = pixel_settings(pre, where, "Idefics3", resample=_LANCZOS, mean=_MEAN, std=_STD, types=_PROCESSOR_TYPES,

@@ -6,7 +6,7 @@ Cost model: HF's InternVL processor cuts every image into the cols x rows grid o
 image when there is more than one; every tile becomes N = (S/ps)**2 * downsample_ratio**2 LM
 tokens (pixel shuffle; 256 at 448 px, patch 14, ratio 0.5). So an image costs tiles x N, known
 from its header: ``configure`` writes resize='tiles', image_size S, merge_size 1/ratio and the
-tile bounds into ImageConfig, and data/image.py measures (``n_tiles``) and decodes (the PIL
+tile bounds into ImageConfig, and data/image/ measures (``n_tiles``) and decodes (the PIL
 GotOcr2 processor's pixels) it. The tiles of an image are stacked top to bottom, so its grid is
 (1, tiles * S/ps, S/ps) and the tile count travels per image in ``image_grid_thw`` (and per
 sample through ``image_sample_index``), not in pixel_values, which is a flat list of tiles.
@@ -51,7 +51,7 @@ MODEL_TYPES: tuple[str, ...] = ("internvl",)
 # of model + tokenizer, the checkpoint's processor files copied
 fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
-_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image.py resizes with
+_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image/ resizes with
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)  # InternVL's processor settings (convert_internvl_weights_to_hf)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
 _PROCESSOR_TYPES = ("GotOcr2ImageProcessor", "GotOcr2ImageProcessorFast", "GotOcr2ImageProcessorPil")
@@ -71,7 +71,7 @@ def _square(value, where: str) -> int:
 
 
 def _pixel_settings(pre: dict, where: str) -> dict:
-    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    """ImageConfig values from the image processor; anything data/image/ would not reproduce raises."""
     from ray_mmbatch.models.hf_common import pixel_settings
 
     pixels = pixel_settings(pre, where, "InternVL", resample=_BICUBIC, mean=_IMAGENET_MEAN, std=_IMAGENET_STD,
@@ -150,7 +150,7 @@ def _image_tokens(tokenizer: str, token_id: int, path: str) -> tuple[str, str, s
 def pixel_values(patches, grid_thw, side: int, patch_size: int, merge: int, mean, std):
     """uint8 patches of images of stacked tiles, grids (1, k * g, g) -> normalized float32 [sum k, 3, side, side].
 
-    data/image.py patchifies an image of k tiles stacked top to bottom in merge-window order; with
+    data/image/ patchifies an image of k tiles stacked top to bottom in merge-window order; with
     g = side / patch_size a multiple of ``merge``, every tile's g * g patches are contiguous, so
     the batch's patches are simply tile after tile.
     """

@@ -38,7 +38,7 @@ MODEL_TYPES: tuple[str, ...] = ("llava",)
 # of model + tokenizer, the checkpoint's processor files copied
 fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
-_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image.py resizes with
+_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image/ resizes with
 
 
 def _side(value, where: str, crop: bool) -> int:
@@ -57,7 +57,7 @@ def _side(value, where: str, crop: bool) -> int:
 
 
 def _pixel_settings(pre: dict, where: str) -> dict:
-    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    """ImageConfig values from the image processor; anything data/image/ would not reproduce raises."""
     from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, pixel_settings
 
     pixels = pixel_settings(pre, where, "LLaVA", resample=_BICUBIC, mean=CLIP_MEAN, std=CLIP_STD,

@@ -9,7 +9,7 @@ pooled to about anyres_max tiles' worth when more than 1.1x that, plus one newli
 row. In a sample of several images each image is one tile (padded to a square of the mean colour,
 resized to S x S): g*g + 1 tokens (HF decides this by ``batch_num_images``, the images of the
 sample). All of it is known from the image header: ``configure`` writes resize='anyres', image_size
-S, the pinpoints, anyres_max and g into ImageConfig, data/image.py measures it
+S, the pinpoints, anyres_max and g into ImageConfig, data/image/ measures it
 (``anyres_tiles``, ``anyres_tokens``) and decodes it (the PIL image processor's pixels). Tiles
 travel as uint8 patches of one whole tile each (patch_size = S, merge 1: S = 384 is no multiple of
 SigLIP's 14), stacked top to bottom: grid (1, tiles, 1); ``image_sizes`` (h, w as displayed) travels
@@ -53,7 +53,7 @@ MODEL_TYPES: tuple[str, ...] = ("llava_onevision",)
 # of model + tokenizer, the checkpoint's processor files copied
 fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
-_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image.py resizes with
+_BICUBIC = 3  # PIL.Image.Resampling.BICUBIC, what data/image/ resizes with
 _PROCESSOR_TYPES = ("LlavaOnevisionImageProcessor", "LlavaOnevisionImageProcessorFast",
                     "LlavaOnevisionImageProcessorPil")
 
@@ -73,7 +73,7 @@ def _pinpoints(value, side: int, where: str) -> tuple[int, ...]:
 
 
 def _pixel_settings(pre: dict, where: str) -> dict:
-    """ImageConfig values from the image processor; anything data/image.py would not reproduce raises."""
+    """ImageConfig values from the image processor; anything data/image/ would not reproduce raises."""
     from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, pixel_settings
 
     # CLIP's mean / std: LlavaOnevisionImageProcessor's defaults
