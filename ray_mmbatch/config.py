@@ -289,7 +289,7 @@ class DataConfig:
     gs://, abfs://, hdfs://, file://; credentials and AWS_ENDPOINT_URL from the environment); empty = generate
     a demo dataset under output_dir."""
     format: str = flag("--format", "auto")
-    """'parquet', 'webdataset', 'llava' or 'auto' (guessed from the path)."""
+    """'parquet', 'arrow' (a datasets.save_to_disk folder), 'webdataset', 'llava' or 'auto' (guessed from the path)."""
     image_root: str = flag("--image-root", "")
     """LLaVA format: image folder, a local path or a URI (default: the JSON file's folder)."""
     image_column: str = flag("--image-column", "images")
@@ -300,7 +300,8 @@ class DataConfig:
     """Parquet / Arrow: the dialogue column; its layout is told from its type: list<{from, value}> (LLaVA),
     list<{role, content}> (HF messages), list<{user, assistant}> (The Cauldron ``texts``), struct<question: list,
     answer: list> (PixMo-Docs ``questions``) or a string (a caption). With the default, the first of
-    conversations, messages, texts, questions, caption, txt, text that the schema holds (formats/layouts.py)."""
+    conversations, messages, texts, questions, caption, txt that the schema holds (formats/layouts.py); a column
+    named ``text`` is read only when named (``--text-column text``)."""
     caption_prompt: str = flag("--caption-prompt", "")
     """Caption layouts (a caption / txt column, img2dataset ``KEY.txt``): the user turn's text after the image
     ('' = the image alone); the caption is the answer."""

@@ -149,12 +149,14 @@ def test_inspect_reports_layout_splits_and_filtered(ray_cluster, tmp_path):
     pq.write_table(conversations_table(4, [f"x{i}" for i in range(4)]).append_column("score", pa.array([1, 2, 3, 4])),
                    tmp_path / "data" / "train-00001-of-00002.parquet")
     cfg = Config()
-    cfg.data = DataConfig(path=str(tmp_path), filter="score >= 3")
+    cfg.data = DataConfig(path=str(tmp_path), filter="score >= 2")
     out = inspect_dataset(cfg)
     assert out["read_as"] == ["conversations [{from, value}] + images list<Image>"]
     assert out["splits"][str(tmp_path)] == {"found": {"test": 1, "train": 2, "validation": 1}, "read": "train"}
-    # file 0 has no 'score' column: one skipped file, named; file 1 keeps rows 2 and 3
-    assert out["filtered"] == 2 and out["samples_read"] == 2 and out["skipped_files"] == 1
+    # file 0 has no 'score' column: one skipped file, named; file 1 keeps rows 1, 2 and 3 (a filtered count
+    # unlike the rows read: the two were once mixed up, samples_read 19 / ok 25 / skipped -6 on a docs example)
+    assert out["filtered"] == 1 and out["samples_read"] == 3 and out["skipped_files"] == 1
+    assert out["samples_ok"] == 3 and out["samples_skipped"] == 0
     assert json.dumps(out)  # JSON-able
 
 

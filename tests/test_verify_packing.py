@@ -169,6 +169,18 @@ def test_lora_flags_put_fresh_adapters_on_the_model_verified(qwen_run, capsys):
     assert report["grads"]["ok"] and report["grads"]["min_norm"] > 0 and report["lora"]["adapter"] is None
 
 
+def test_a_flag_the_checkpoint_contradicts_is_one_line_and_exit_2(qwen_run, capsys):
+    """As train refuses it (exit 2), not a traceback with exit 1, which means 'packing is not exact'."""
+    import jobs.verify_packing as job
+
+    ck, data = qwen_run
+    rc = job.main(["--model", str(ck), "--patch-size", "16", "--data", str(data), "--batches", "1", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "contradicts the checkpoint" in err and "--patch-size" in err, err
+    assert job.main(["--model", str(ck), "--adapter", str(ck), "--lora-rank", "4", "--data", str(data)]) == 2
+    assert "leave out --lora-rank" in capsys.readouterr().err
+
+
 def test_local_batches_cover_every_sample_once_within_budget(qwen_run):
     from ray_mmbatch import hf, local_batches
 

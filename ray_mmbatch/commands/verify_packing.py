@@ -55,10 +55,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ray_mmbatch.run.progress import Progress, counted
     from ray_mmbatch.run.verify import verify
 
-    if args.adapter and int(cfg.model.lora_rank):
-        raise SystemExit("--adapter brings its own LoRA layers: leave out --lora-rank")
-    T.check_config(cfg)
-    cfg = configure(cfg)
+    try:  # a setting the checkpoint contradicts, or flags that do not go together: one line, exit 2 (as train)
+        if args.adapter and int(cfg.model.lora_rank):
+            raise ValueError("--adapter brings its own LoRA layers: leave out --lora-rank")
+        T.check_config(cfg)
+        cfg = configure(cfg)
+    except ValueError as e:
+        print(f"[verify-packing] error: {e}", file=sys.stderr, flush=True)
+        return 2
     ids = token_ids(cfg)
     torch.manual_seed(cfg.train.seed)  # the built-in model's weights and fresh adapters as a run draws them
     model = get_backend(cfg).create_model(cfg, ids)

@@ -185,9 +185,9 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
         per_source = by_source([str(s) for s in cols.get(S.SAMPLE_ID, [])],
                                [S.parse_skip(r)[0] if r else "" for r in reasons])
         per_source = _blend_plan(cfg, per_source)
-    for name, n in listing["filtered"].items():  # rows --filter left out: counted, never read further
+    for name, n_filtered in listing["filtered"].items():  # rows --filter left out: counted, never read further
         if name in per_source:
-            per_source[name]["filtered"] = n
+            per_source[name]["filtered"] = n_filtered
     return {
         "read_as": listing["read_as"], "pixels_decoded": decoding,
         **({"splits": listing["splits"]} if listing["splits"] else {}),
