@@ -177,3 +177,16 @@ def test_progress_follows_the_metrics_file(tmp_path):
     summary = {"steps": 1, "skipped": {"unreadable_file": 3}, "skipped_total": 3, "skipped_files": 3}
     table = format_summary(summary, tmp_path)
     assert "3 could not be read" in table
+
+
+def test_train_refuses_settings_that_do_not_go_together_in_one_line(tmp_path, capsys):
+    """--qlora here (no CUDA, no --model): one line naming every reason and exit 2, as the other start-up checks
+    (it was a traceback with exit 1 from inside the run)."""
+    from ray_mmbatch.commands.train import main
+
+    rc = main(["--qlora", "--data", str(tmp_path / "nowhere"), "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "[train] error: --qlora refused" in err and "--lora-rank" in err, err
+    assert "Traceback" not in err
+    assert main(["--merge-lora", "--data", str(tmp_path), "--output-dir", str(tmp_path / "run")]) == 2
+    assert "--merge-lora needs a LoRA run" in capsys.readouterr().err

@@ -60,3 +60,34 @@ def test_terminal_mode_redraws_one_line_and_ends_it():
     text = out.getvalue()
     assert text.count("\r\033[K") == 5 and text.count("\n") == 1 and text.endswith("eta 00:00\n")
     assert "[prepare] 4/4 samples (100.0%)" in text
+
+
+def test_progress_after_a_restore_that_trims_and_regrows_the_metrics(tmp_path):
+    """A restore rewrites metrics.jsonl without the steps it undid (RunDir.trim); when the file has grown past the
+    follower's position again before it looks, the follower must neither read from mid-line (it crashed at exit
+    with 'metrics.jsonl:1: not JSON') nor miss the redone steps."""
+    import io
+    import json
+
+    from ray_mmbatch.run.progress import ProgressPrinter
+    from ray_mmbatch.run.rundir import write_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    old = {"step": 1, "loss": 9.0}
+    path.write_text(json.dumps(old) + "\n")  # an earlier run's line: known, not shown
+    stream = io.StringIO()
+    with ProgressPrinter(path, max_steps=6, stream=stream, interval=60) as p:
+        lines = [{"step": s, "loss": 5.0 - s / 10, "time_s": 1.0} for s in (2, 3, 4)]
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in lines))
+        p.poll()
+        # restored to step 2: steps 3-4 undone, then redone (other values) and step 5-6 run, before the next poll
+        write_jsonl(path, [old, lines[0]])
+        with open(path, "a") as f:
+            for s in (3, 4, 5, 6):
+                f.write(json.dumps({"step": s, "loss": 2.0 - s / 10, "time_s": 12.345678}) + "\n")
+        p.poll()
+    out = stream.getvalue().splitlines()
+    steps = [int(line.split()[1].split("/")[0]) for line in out]
+    assert steps == [2, 3, 4, 3, 4, 5, 6], out  # the redone 3 and 4 shown again, the old line never
+    assert "loss 1.700" in out[3] and "loss 9" not in stream.getvalue()

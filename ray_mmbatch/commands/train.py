@@ -46,12 +46,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     cfg = config_from_args(args)
     ensure_demo_data(cfg)
     from ray_mmbatch.dataflow.pools import ResourceError
+    from ray_mmbatch.models.trainable import check_config as check_trainable
     from ray_mmbatch.run.guards import TooManySkipped
     from ray_mmbatch.run.preflight import PreflightError, preflight
     from ray_mmbatch.run.trackers import TrackerError, check_trackers
 
     try:
         check_trackers(cfg.train.report_to)  # --report-to: each tracker imports, else the pip install to run
+        try:  # --lora-* / --qlora / --freeze that do not go together, or peft missing: one line naming why
+            check_trainable(cfg)
+        except (ValueError, ImportError) as e:
+            raise PreflightError(str(e)) from None
         seen = preflight(cfg)
     except (PreflightError, TrackerError) as e:
         print(f"[train] error: {e}", file=sys.stderr, flush=True)

@@ -7,6 +7,7 @@ the other long commands (inspect, prepare, verify-packing): done / total, rate a
 """
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -66,6 +67,10 @@ def progress_line(m: dict[str, Any], max_steps: int, elapsed: float, eta: float 
             f"{_fmt_time(elapsed)} elapsed, eta {_fmt_time(eta)}")
 
 
+def _key(record: dict) -> str:
+    return json.dumps(record, sort_keys=True)
+
+
 class ProgressPrinter:
     """Follow OUTPUT_DIR/metrics.jsonl in a thread and print each new report.
 
@@ -78,7 +83,8 @@ class ProgressPrinter:
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval, self.t0 = interval, time.time()
-        self._offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's old lines
+        self._offset, self._tail, self._seen = 0, b"", []  # read position, the last line read, keys of lines read
+        self._read(print_new=False)  # a resumed run's old lines: known, not printed
         self._first: tuple[float, float] | None = None  # (time, share done) at the first report: start-up excluded
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ray_mmbatch_progress", daemon=True)
@@ -104,20 +110,54 @@ class ProgressPrinter:
                 pass
 
     def poll(self) -> None:
+        self._read(print_new=True)
+
+    def _read(self, print_new: bool) -> None:
+        """Read the lines appended since the last poll. A restore rewrites the file without the steps it undid
+        (RunDir.trim), and it may grow past our position again before we look: when the line that ended at
+        our position is no longer there, read the file again and print what follows the lines already read."""
         if not self.path.exists():
             return
-        if self.path.stat().st_size < self._offset:  # trimmed back on a restore
-            self._offset = 0
-        records, self._offset = read_jsonl_from(self.path, self._offset)
+        if self._rewritten():
+            records, end = read_jsonl_from(self.path, 0)
+            keys = [_key(r) for r in records]
+            same = 0
+            while same < min(len(keys), len(self._seen)) and keys[same] == self._seen[same]:
+                same += 1
+            self._seen, records, start = self._seen[:same], records[same:], 0
+        else:
+            start = self._offset
+            records, end = read_jsonl_from(self.path, start)
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        if data:
+            body = data[:-1] if data.endswith(b"\n") else data
+            self._tail = data[body.rfind(b"\n") + 1:]
+        self._offset = end
         for m in records:
-            now, done = time.time(), done_share(m, self.max_steps)
-            eta = None
-            if done is not None:
-                if self._first is None:  # no rate yet: the time so far is mostly start-up
-                    self._first, eta = (now, done), -1.0
-                elif done > self._first[1]:
-                    eta = (now - self._first[0]) * (1 - done) / (done - self._first[1])
-            self.show(progress_line(m, self.max_steps, now - self.t0, eta))
+            self._seen.append(_key(m))
+            if print_new:
+                self._print(m)
+
+    def _rewritten(self) -> bool:
+        if not self._offset:
+            return False
+        if self.path.stat().st_size < self._offset:
+            return True
+        with open(self.path, "rb") as f:
+            f.seek(self._offset - len(self._tail))
+            return f.read(len(self._tail)) != self._tail
+
+    def _print(self, m: dict) -> None:
+        now, done = time.time(), done_share(m, self.max_steps)
+        eta = None
+        if done is not None:
+            if self._first is None:  # no rate yet: the time so far is mostly start-up
+                self._first, eta = (now, done), -1.0
+            elif done > self._first[1]:
+                eta = (now - self._first[0]) * (1 - done) / (done - self._first[1])
+        self.show(progress_line(m, self.max_steps, now - self.t0, eta))
 
     def show(self, line: str) -> None:
         if self.tty:
