@@ -1,0 +1,244 @@
+"""Which tokens train, for every family, derived independently of the project's code (issue 36).
+
+For each family's tiny checkpoint and one sample -- a system turn, three questions, three answers, two
+images (one in the first question, one inside the second) -- the positions the data path trains
+(hf.config_from_checkpoint -> measure_batch -> materialize_sample: ``labels != -100``, shifted) must be
+exactly the assistant turns as the checkpoint's OWN chat template and HF's processor give them
+(tests/targets_reference.py, no project code): render the conversation up to each answer with
+``add_generation_prompt=True`` and through it, expand the image placeholders into the processor's
+blocks for this sample, tokenize; the difference is the turn. The ids of the whole sample must be the
+processor's, too, so the positions are comparable one to one (image tokens, tiles and split views
+included).
+
+What trains, per family (the last field of ``FAMILIES``): the answer, any text the template writes
+between the generation prompt and the answer (LLaVA-1.5's and SmolVLM's space after ``ASSISTANT:`` / ``Assistant:``,
+LLaVA-OneVision's ``\\n``: the model writes them at inference, right after the prompt) and the
+end-of-turn token (``<|im_end|>``, ``<end_of_turn>``, ``<end_of_utterance>``), which the model must
+learn to stop on. NOT trained: the whitespace the template writes after the turn (``\\n`` after the
+end-of-turn token; LLaVA-1.5's trailing ``' '``). That is the project's rule (ray_mmbatch/data/text/
+template.py: a span ends at the render through the turn less trailing whitespace; a token is a target
+when it starts in a span): generation stops at the end-of-turn token, so the newline after it is
+never sampled and predicting it teaches nothing used. Others train that newline: TRL's training
+templates (trl/chat_templates/qwen2_vl_training.jinja, gemma3_training.jinja,
+smolvlm_training.jinja) put it inside ``{% generation %}`` and LLaMA-Factory's qwen2_vl template
+labels ``{{content}}<|im_end|>\\n`` -- one token per turn more than here, shown exactly below
+(``test_trl_placement_trains_the_newline_too``).
+
+LLaVA-1.5's template (llava-hf's, tests/chat_templates.LLAVA) writes no end-of-turn or EOS token at all,
+so nothing that stops generation is trained for it, here or by HF: its own ``{% generation %}`` block
+(``content + ' '``) makes ``return_assistant_tokens_mask`` mark the token that holds the trailing
+space as well -- mid-conversation the first token of the next ``USER:`` (``' U'``), at the end a lone
+``' '`` -- which the project does not train (``test_llavas_own_generation_blocks``).
+
+``{% generation %}``: of the tiny checkpoints' templates only LLaVA-1.5's has blocks. For every other
+family a copy of its template with blocks around the answer and the end-of-turn token
+(targets_reference.with_generation_blocks; it renders the same text) makes HF's mask mark exactly the
+derived positions. The controls (``test_the_check_fails_on_wrong_targets``) train one user token more,
+or leave the end-of-turn token out, and the check must fail.
+
+The templates are the tiny checkpoints' (tests/chat_templates.py, tests/hf_*_checkpoint.py): Qwen3-VL's
+checkpoint carries Qwen2-VL's template, SmolVLM and Idefics3 both SmolVLM's.
+
+Fast: no Ray, no model forward; each checkpoint is built once (module-scoped fixture).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ray_mmbatch import schema as S
+from tests import chat_templates
+from tests import targets_reference as R
+
+# id: (checkpoint maker, processor family, template family for with_generation_blocks, what trains: (the text
+# before the answer, the text after it (the end-of-turn token), what follows the turn untrained))
+FAMILIES = {
+    "qwen2_vl": (("qwen", "qwen2_vl"), "qwen2_vl", "qwen", ("", "<|im_end|>", "\n")),
+    "qwen2_5_vl": (("qwen", "qwen2_5_vl"), "qwen2_5_vl", "qwen", ("", "<|im_end|>", "\n")),
+    "qwen3_vl": (("qwen", "qwen3_vl"), "qwen3_vl", "qwen", ("", "<|im_end|>", "\n")),
+    "llava": (("llava",), "llava", None, (" ", "", " ")),
+    "llava_onevision": (("llava_onevision",), "llava_onevision", "llava_onevision", ("\n", "<|im_end|>", "\n")),
+    "internvl": (("internvl",), "internvl", "internvl", ("", "<|im_end|>", "\n")),
+    "gemma3": (("gemma3",), "gemma3", "gemma3", ("", "<end_of_turn>", "\n")),
+    "smolvlm": (("idefics3", "smolvlm", True), "smolvlm", "smolvlm", (" ", "<end_of_utterance>", "\n")),
+    "idefics3": (("idefics3", "idefics3", False), "idefics3", "smolvlm", (" ", "<end_of_utterance>", "\n")),
+}
+MARKED = [f for f, spec in FAMILIES.items() if spec[2] is not None]
+
+
+def _make(maker: tuple, d):
+    if maker[0] == "qwen":
+        from tests.hf_checkpoints import make_qwen_checkpoint
+
+        return make_qwen_checkpoint(d, maker[1])
+    if maker[0] == "llava":
+        from tests.hf_llava_checkpoint import make_llava_checkpoint
+
+        return make_llava_checkpoint(d)
+    if maker[0] == "llava_onevision":
+        from tests.hf_llava_onevision_checkpoint import make_llava_onevision_checkpoint
+
+        return make_llava_onevision_checkpoint(d)
+    if maker[0] == "internvl":
+        from tests.hf_internvl_checkpoint import make_internvl_checkpoint
+
+        return make_internvl_checkpoint(d)
+    if maker[0] == "gemma3":
+        from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
+
+        return make_gemma3_checkpoint(d)
+    from tests.hf_idefics3_checkpoint import make_idefics3_checkpoint
+
+    return make_idefics3_checkpoint(d, maker[1], splitting=maker[2])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """family -> SimpleNamespace(ckpt, processor, derived, ids, labels), each made once per module, when first
+    asked for."""
+    from types import SimpleNamespace
+
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            maker, model_type, _, _ = FAMILIES[family]
+            ckpt = _make(maker, tmp_path_factory.mktemp(family))
+            processor = R.hf_processor(ckpt, model_type)
+            ids, labels = R.project_sample(ckpt)
+            cache[family] = SimpleNamespace(ckpt=ckpt, processor=processor, ids=ids, labels=labels,
+                                            derived=R.derive_turns(processor, R.messages(), R.pil_images()))
+        return cache[family]
+
+    return get
+
+
+def _decode(b, ids) -> str:
+    return b.processor.tokenizer.decode(list(ids))
+
+
+# ------------------------------------------------------------------ 1. the data path trains exactly the turns
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trained_tokens_are_the_assistant_turns(built, family):
+    b = built(family)
+    d = b.derived
+    # the sample is what it should be: images expanded to many tokens, three answers
+    config = json.loads((b.ckpt / "config.json").read_text())
+    image_id = config.get("image_token_id", config.get("image_token_index"))  # the model's image feature token
+    assert len(R.PICS) >= 2 and len(d.turns) == len(R.ANSWERS) >= 2
+    assert int((np.asarray(d.ids) == image_id).sum()) > 2 * len(R.PICS)
+    R.check_targets(b.ids, b.labels, d)  # the project's ids are the processor's; its targets the turns
+    before, after, untrained = FAMILIES[family][3]
+    assert [_decode(b, t.ids) for t in d.turns] == [before + a + after for a in R.ANSWERS]
+    assert [_decode(b, t.tail) for t in d.turns] == [untrained] * len(d.turns)
+    # the untrained whitespace really is in the sample, right after each turn (merged into the next
+    # token where the tokenizer merges it: LLaVA-1.5's ' ' + 'USER')
+    for t in d.turns:
+        follows = _decode(b, d.ids[t.start + len(t.ids):t.start + len(t.ids) + 1])
+        assert follows.startswith(untrained) and (t.start + len(t.ids)) not in R.trained_positions(b.labels)
+
+
+# ------------------------------------------------------------------ 2. HF's return_assistant_tokens_mask agrees
+def test_only_llavas_template_has_generation_blocks():
+    """Which tiny checkpoints' templates mark ``{% generation %}``: LLaVA-1.5's only (its hub template has them)."""
+    from tests.hf_gemma3_checkpoint import GEMMA3
+    from tests.hf_idefics3_checkpoint import SMOLVLM
+    from tests.hf_internvl_checkpoint import INTERNVL
+    from tests.hf_llava_onevision_checkpoint import ONEVISION
+
+    has = {name: "{% generation %}" in t for name, t in [
+        ("LLAVA", chat_templates.LLAVA), ("QWEN2_VL", chat_templates.QWEN2_VL), ("ONEVISION", ONEVISION),
+        ("INTERNVL", INTERNVL), ("GEMMA3", GEMMA3), ("SMOLVLM", SMOLVLM)]}
+    assert has == {"LLAVA": True, "QWEN2_VL": False, "ONEVISION": False, "INTERNVL": False, "GEMMA3": False,
+                   "SMOLVLM": False}
+
+
+def _mask(b, template: str) -> list[int]:
+    ids, positions = R.assistant_mask_positions(b.processor, R.messages(R.pil_images()), template)
+    assert list(ids) == b.derived.ids  # HF's processor path gives the same ids
+    return positions
+
+
+def _renders_as(b, template: str) -> None:
+    """The marked copy renders every prefix of the conversation as the original does."""
+    tok, msgs = b.processor.tokenizer, R.messages()
+    for i in range(1, len(msgs) + 1):
+        for prompt in (False, True):
+            want = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=prompt)
+            assert tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=prompt,
+                                           chat_template=template) == want
+
+
+@pytest.mark.parametrize("family", MARKED)
+def test_generation_blocks_mark_the_trained_tokens(built, family):
+    """Blocks around the answer and the end-of-turn token: HF's mask is exactly the derived turns, and so the
+    project's targets (checked against the same positions above)."""
+    b = built(family)
+    template = R.with_generation_blocks(b.processor.tokenizer.chat_template, FAMILIES[family][2])
+    _renders_as(b, template)
+    assert _mask(b, template) == b.derived.positions == R.trained_positions(b.labels)
+
+
+@pytest.mark.parametrize("family", MARKED)
+def test_trl_placement_trains_the_newline_too(built, family):
+    """TRL's training templates end the block after the newline that follows the end-of-turn token: their mask
+    is the derived turns plus exactly that newline, one token per turn."""
+    b = built(family)
+    template = R.with_generation_blocks(b.processor.tokenizer.chat_template, FAMILIES[family][2],
+                                        through_newline=True)
+    _renders_as(b, template)
+    tails = [t.start + len(t.ids) for t in b.derived.turns]
+    assert [len(t.tail) for t in b.derived.turns] == [1] * len(tails)
+    assert sorted(_mask(b, template)) == sorted(b.derived.positions + tails)
+    assert {_decode(b, [b.derived.ids[p]]) for p in tails} == {"\n"}
+
+
+def test_llavas_own_generation_blocks(built):
+    """LLaVA-1.5's block is ``content + ' '``; HF marks every token overlapping it, so the token holding that
+    trailing space is marked too: ``' U'`` of the next ``USER:`` mid-conversation, the last ``' '`` at the
+    end -- one token after each derived turn, none of them an answer's. Everything else agrees."""
+    b = built("llava")
+    template = b.processor.tokenizer.chat_template
+    assert "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}" in template
+    mask, derived = set(_mask(b, template)), b.derived
+    after = [t.start + len(t.ids) for t in derived.turns]
+    assert set(derived.positions) <= mask and sorted(mask - set(derived.positions)) == after
+    assert [_decode(b, [derived.ids[p]]) for p in after] == [" U", " U", " "]
+
+
+# ------------------------------------------------------------------ 3. the check can fail
+def _one_user_token_more(b) -> tuple[np.ndarray, int]:
+    """The labels with the first question's word "picture" trained too."""
+    first = b.derived.turns[0].start
+    at = max(p for p in range(first) if _decode(b, [b.derived.ids[p]]).strip() == "picture")
+    labels = b.labels.copy()
+    labels[at - 1] = b.ids[at]
+    return labels, at
+
+
+def _end_of_turn_dropped(b) -> tuple[np.ndarray, int]:
+    """The labels without the first turn's last token (its end-of-turn token; LLaVA-1.5 has none: the '.')."""
+    turn = b.derived.turns[0]
+    at = turn.start + len(turn.ids) - 1
+    labels = b.labels.copy()
+    labels[at - 1] = S.IGNORE_INDEX
+    return labels, at
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("control", ["one_user_token_more", "end_of_turn_dropped"])
+def test_the_check_fails_on_wrong_targets(built, family, control):
+    b = built(family)
+    R.check_targets(b.ids, b.labels, b.derived)  # the real labels pass
+    if control == "one_user_token_more":
+        labels, at = _one_user_token_more(b)
+        match = rf"trained but not an assistant turn: \[{at}\]; not trained: \[\]"
+    else:
+        labels, at = _end_of_turn_dropped(b)
+        eot = FAMILIES[family][3][1]
+        assert _decode(b, [b.ids[at]]) == (eot or ".")
+        match = rf"trained but not an assistant turn: \[\]; not trained: \[{at}\]"
+    with pytest.raises(AssertionError, match=match):
+        R.check_targets(b.ids, labels, b.derived)
