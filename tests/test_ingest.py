@@ -1,11 +1,12 @@
 """A user's own Ray Train loop fed by the project's batches (train/ingest.py, issue 25): two DDP
 workers, every sample once, the same number of steps on every rank, the loss normalized over ranks;
-and the HF forward kwargs of a batch drive the transformers model to the project's own loss."""
+and the HF forward kwargs of a packed batch drive the transformers model to each sample's CE alone."""
 from __future__ import annotations
 
 import json
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,10 +156,18 @@ def test_a_users_loop_resumes_exactly_once_with_data_state(ray_cluster, tmp_path
     assert sorted(left) == sorted(set(manifest["ids"]) - set(first["ids"]))
 
 
-def test_hf_forward_kwargs_give_the_projects_loss(tmp_path):
-    """to_hf_inputs: the transformers base model on those kwargs + the LM head gives model(batch)'s logits."""
+def test_hf_forward_on_the_kwargs_equals_each_sample_alone_through_hf(tmp_path):
+    """to_hf_inputs drives the transformers model itself: ``hf_model(**kwargs)`` on a packed batch of 10
+    samples gives, at every target token, the CE of that sample run alone through HF's standard forward
+    (input_ids, attention_mask of ones, its own pixel_values / image_grid_thw; family_harness.reference_ce),
+    within TOL nats; the same row fed without the kwargs' position ids (one long sequence) misses by far."""
+    import torch.nn.functional as F
+
     from ray_mmbatch import hf, local_batches
+    from ray_mmbatch import schema as S
+    from ray_mmbatch.models.hf_common import normalize_patches
     from ray_mmbatch.train import ingest
+    from tests.family_harness import TOL, reference_ce
     from tests.hf_checkpoints import make_qwen_checkpoint
 
     path = make_qwen_checkpoint(tmp_path / "ckpt", "qwen2_vl")
@@ -167,10 +176,36 @@ def test_hf_forward_kwargs_give_the_projects_loss(tmp_path):
     cfg.data.path, cfg.data.format = str(tmp_path / "d"), "parquet"
     model = hf.load_model(str(path)).eval()
     batch = next(iter(local_batches(cfg, limit=1)))
+    assert batch["mode"] == "pack" and len(batch["sample_ids"]) > 1 and len(batch["image_grid_thw"])
     kwargs = ingest.to_hf_inputs(batch, model)
     assert "labels" not in kwargs and kwargs["use_cache"] is False
+    labels = torch.as_tensor(batch["labels"][0], dtype=torch.long)
+    at = labels != S.IGNORE_INDEX
     with torch.no_grad():
-        logits = model.hf_model.lm_head(model.hf_model.model(**kwargs).last_hidden_state)
-        torch.testing.assert_close(logits, model(batch))
+        logits = model.hf_model(**kwargs).logits[0]  # the transformers model, not the project's forward
+        ours = F.cross_entropy(logits[at].float(), labels[at], reduction="none")
+        ids, cu = torch.as_tensor(batch["input_ids"][0], dtype=torch.long), batch["cu_seqlens"]
+        grids = torch.as_tensor(batch["image_grid_thw"], dtype=torch.long)
+        starts = np.concatenate([[0], np.cumsum([int(g.prod()) for g in grids])])
+        refs = []
+        for i in range(len(batch["sample_ids"])):
+            a, b = int(cu[i]), int(cu[i + 1])
+            images = {}
+            mine = np.flatnonzero(batch["image_sample_index"] == i)
+            if len(mine):
+                rows = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in mine])
+                images = {"pixel_values": normalize_patches(torch.as_tensor(batch["patches"][rows]),
+                                                            cfg.image.image_mean, cfg.image.image_std,
+                                                            cfg.image.temporal_patch_size),
+                          "image_grid_thw": grids[mine],
+                          "mm_token_type_ids": (ids[a:b] == model.hf_model.config.image_token_id).int()[None]}
+            refs.append(reference_ce(model.hf_model, labels[a:b], ids[a:b], **images))
+        reference = torch.cat(refs)
+        assert ours.shape == reference.shape and len(reference) == int(batch["target_tokens"])
+        assert float((ours - reference).abs().max()) < TOL
+        flat = {k: v for k, v in kwargs.items() if k != "position_ids"}  # the control: HF's own M-RoPE of
+        flat["mm_token_type_ids"] = (ids == model.hf_model.config.image_token_id).int()[None]  # one long sequence
+        naive = F.cross_entropy(model.hf_model(**flat).logits[0][at].float(), labels[at], reduction="none")
+        assert float((naive - reference).abs().max()) > 100 * TOL
     with pytest.raises(TypeError, match="loss_only"):
         ingest.to_hf_inputs(batch, torch.nn.Linear(2, 2))

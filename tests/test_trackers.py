@@ -6,6 +6,7 @@ read back with its own reader (EventAccumulator, MlflowClient, the offline run's
 """
 from __future__ import annotations
 
+import csv
 import json
 import math
 import struct
@@ -18,13 +19,18 @@ from ray_mmbatch.config import Config
 from ray_mmbatch.run.rundir import RunDir, read_jsonl
 from ray_mmbatch.run.trackers import TRACKERS, TrackerError, TrackerSink, check_trackers, tracker_names
 
-pytest.importorskip("wandb")
-pytest.importorskip("mlflow")
-pytest.importorskip("tensorboard")  # the reader (the writer may be tensorboardX)
+
+def need_trackers(*names: str) -> None:
+    """Skip this test unless these trackers' packages are installed (only the tests that use one ask:
+    the tests of a missing tracker run whatever is installed). "tensorboard": the reader; the writer may be
+    tensorboardX, which ray[tune] always installs."""
+    for name in names:
+        pytest.importorskip(name)
 
 
 @pytest.fixture
 def tracker_env(tmp_path, monkeypatch):
+    need_trackers("wandb", "mlflow", "tensorboard")
     (tmp_path / "wandb").mkdir()
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
@@ -71,11 +77,26 @@ def mlflow_run(root: Path):
 
 
 def wandb_records(root: Path) -> list:
-    """The records of the one offline W&B run under WANDB_DIR: its .wandb file is a LevelDB-style
-    log (7-byte file header, then 32 KiB blocks of records: crc32, length, type, protobuf bytes)."""
+    """The records of the one offline W&B run under ``root``/wandb (WANDB_DIR)."""
+    (path,) = wandb_run_files(root / "wandb")
+    return read_wandb_log(path)
+
+
+def wandb_run_files(wandb_dir: Path) -> list[Path]:
+    """The .wandb log of every offline W&B run under WANDB_DIR ``wandb_dir``."""
+    return sorted(Path(wandb_dir).glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def wandb_run_record(records):
+    """The run's own record (name, group, project, ...) among an offline run's records."""
+    return next(r.run for r in records if r.WhichOneof("record_type") == "run")
+
+
+def read_wandb_log(path: Path) -> list:
+    """An offline W&B run's .wandb file is a LevelDB-style log (7-byte file header, then 32 KiB blocks
+    of records: crc32, length, type, protobuf bytes); its records, in order."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = (root / "wandb").glob("wandb/offline-run-*/run-*.wandb")
     data, block = path.read_bytes(), 32768
     assert data[:4] == b":W&B"
     pos, pending, out = 7, b"", []
@@ -174,6 +195,7 @@ def test_sink_logs_config_metrics_skips_and_survives_a_restore(tracker_env, tmp_
 
 def test_tensorboardx_writes_the_same_files(tmp_path, monkeypatch):
     """Without the tensorboard package the writer is tensorboardX (ray[tune] installs it): same tags, same purge."""
+    need_trackers("tensorboard")  # the reader
     monkeypatch.setitem(TRACKERS, "tensorboard", (("tensorboardX",), "pip install tensorboard"))
     sink = TrackerSink(("tensorboard",), tmp_path, Config().to_dict(), "tbx")
     assert sink.trackers["tensorboard"].module.__name__ == "tensorboardX"
@@ -198,7 +220,7 @@ def test_an_mlflow_store_that_does_not_open_fails_at_start(tmp_path, monkeypatch
     """MLflow 3 refuses a file: store unless MLFLOW_ALLOW_FILE_STORE=true: said at start, not mid-run."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
-    import mlflow
+    mlflow = pytest.importorskip("mlflow")
 
     if int(mlflow.__version__.split(".")[0]) < 3:
         pytest.skip("MLflow 2 opens a file: store as it is")
@@ -226,19 +248,70 @@ def test_cli_refuses_a_missing_tracker_before_any_work(tmp_path):
 
 
 # ------------------------------------------------------------------ one real run
+def _train_loop_keeping_each_ranks_weights(config: dict) -> None:
+    """The project's train_loop_per_worker, but every rank saves the parameters it holds when its step
+    loop ends (OUTPUT_DIR/rank_weights/rank<r>.pt): the run itself records rank 0's only (its export).
+    Runs in the Train workers (pickled by value: they cannot import a test module)."""
+    import torch
+
+    from ray_mmbatch.train import loop
+
+    run = loop.Runner.run
+
+    def run_and_keep(self) -> None:
+        run(self)
+        d = Path(self.cfg.train.output_dir) / "rank_weights"
+        d.mkdir(parents=True, exist_ok=True)
+        bare = getattr(self.model, "module", self.model)
+        torch.save({n: p.detach().cpu().clone() for n, p in bare.named_parameters()}, d / f"rank{self.rank}.pt")
+
+    loop.Runner.run = run_and_keep
+    try:
+        loop.train_loop_per_worker(config)
+    finally:
+        loop.Runner.run = run
+
+
 @pytest.mark.ray
 @pytest.mark.slow
-def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env, tmp_path):
+def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env, tmp_path, monkeypatch):
     """`ray-mmbatch train --report-to tensorboard,mlflow,wandb` with a held-out set and a worker killed
     after step 7: the restore to step 4's checkpoint reports step 6 again. Every tracker has the loss
     of every reported step and the eval loss where there is one; TensorBoard shows what
-    metrics.jsonl keeps, MLflow and W&B step 6 twice."""
-    from ray_mmbatch.commands.train import main
-    from ray_mmbatch.synthetic.generate import generate_dataset
+    metrics.jsonl keeps, MLflow and W&B step 6 twice.
 
-    data, out = tmp_path / "data", tmp_path / "run"
-    generate_dataset(str(data), 64, "parquet", seed=3, shard_size=64, bad_per_kind=1)
-    rc = main(["--data", str(data), "--output-dir", str(out), "--max-tokens", "1024", "--window", "32",
+    The same run carries two more end-to-end checks. A blend of two datasets (--data A#0.6 --data B#0.4:
+    B up-sampled, its copies id~k, A down-sampled) with --ledger: summary.json's per-source trained counts
+    and shares are the ledger's, its per-source skips skipped.csv's, after the restore's trim. LoRA on a tiny
+    Qwen2-VL under DDP (--lora-rank 4 --num-workers 2, restored from a checkpoint that holds the adapters
+    only): both ranks end with bit-identical adapters, which moved, and base weights bit-identical to the
+    checkpoint's; OUTPUT_DIR/adapter holds exactly those adapters and reloads with PeftModel.from_pretrained
+    (merged) and load_adapter to the trained model's logits."""
+    from collections import Counter
+
+    pytest.importorskip("peft")
+    import torch
+    from ray import cloudpickle
+    from safetensors.torch import load_file
+
+    from ray_mmbatch import local_batches
+    from ray_mmbatch.commands.train import main
+    from ray_mmbatch.formats.sources import source_of
+    from ray_mmbatch.models import trainable as T
+    from ray_mmbatch.synthetic.generate import generate_dataset
+    from ray_mmbatch.train import checkpoint as ckpt
+    from tests.hf_checkpoints import make_qwen_checkpoint
+    from tests.test_trainable import _cfg, _model, _reloads_to
+
+    ck = make_qwen_checkpoint(tmp_path / "ck", "qwen2_vl", initializer_range=0.02)
+    data, extra, out = tmp_path / "data", tmp_path / "extra", tmp_path / "run"
+    generate_dataset(str(data), 96, "parquet", seed=3, shard_size=48, bad_per_kind=1)
+    generate_dataset(str(extra), 32, "webdataset", seed=5, shard_size=16, workers=1)
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the wrapper below runs in the workers
+    monkeypatch.setattr("ray_mmbatch.train.loop.train_loop_per_worker", _train_loop_keeping_each_ranks_weights)
+    rc = main(["--model", str(ck), "--lora-rank", "4", "--lora-alpha", "8", "--num-workers", "2", "--lr", "1e-3",
+               "--data", f"{data}#0.6", "--data", f"{extra}#0.4", "--ledger",
+               "--output-dir", str(out), "--max-tokens", "1024", "--window", "32",
                "--max-steps", "8", "--report-every", "2", "--checkpoint-every", "4", "--set", "train.fault_at_step=7",
                "--eval-split", "0.2", "--eval-every", "4", "--verbose", "--report-to", "tensorboard,mlflow,wandb"])
     assert rc == 0 and (out / RunDir.FAULT_DRILL).exists()
@@ -247,7 +320,8 @@ def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env,
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     assert [s for s, _ in evals] == [4, 8]
     assert [s for s, _ in kept] == [2, 4, 6, 8] and all(math.isfinite(v) for _, v in kept)
-    skipped = json.loads((out / RunDir.SUMMARY).read_text())["skipped_total"]
+    summary = json.loads((out / RunDir.SUMMARY).read_text())
+    skipped = summary["skipped_total"]
     assert skipped > 0
 
     tb = tb_scalars(out)
@@ -268,3 +342,48 @@ def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env,
     assert [r["step"] for r in rows] == [2, 4, 6, 6, 8]
     assert [(r["step"], r["loss"]) for i, r in enumerate(rows) if i != 2] == [(s, pytest.approx(v)) for s, v in kept]
     assert [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r] == [(s, pytest.approx(v)) for s, v in evals]
+
+    # the blend: summary.json's per-source counts are the ledger's (ids are source:id, copies source:id~k)
+    ledger = [sid for p in sorted((out / RunDir.LEDGER).glob("rank*.jsonl")) for r in read_jsonl(p)
+              for sid in r["sample_ids"]]
+    assert len(ledger) == len(set(ledger)) == summary["samples"] > 0
+    per = Counter(source_of(s) for s in ledger)
+    copies = [s for s in ledger if "~" in s]  # the up-sampled source's second copies count to it
+    assert copies and {source_of(s) for s in copies} == {"extra"}
+    sources = summary["sources"]
+    assert set(sources) == set(per) == {"data", "extra"}  # both sources trained
+    for name, weight in (("data", 0.6), ("extra", 0.4)):
+        assert sources[name]["weight"] == weight and sources[name]["trained"] == per[name]
+        assert sources[name]["trained_share"] == pytest.approx(per[name] / len(ledger))
+    with open(out / RunDir.SKIPPED) as f:
+        skip_ids = [r["sample_id"] for r in csv.DictReader(f)]
+    assert Counter(source_of(s) for s in skip_ids) == {n: v["skipped"] for n, v in sources.items() if v["skipped"]}
+    assert sum(v["skipped"] for v in sources.values()) == skipped
+
+    # LoRA under DDP: the checkpoint restored holds the adapters only; what each rank holds at the end,
+    # the export, the reload
+    last = max((p.parent for p in out.rglob(ckpt.STATE)), key=lambda d: ckpt.load_state(d)["step"])
+    saved = torch.load(last / ckpt.MODEL, weights_only=True)
+    assert saved and all("lora_" in k for k in saved), sorted(saved)[:5]
+    ranks = [torch.load(out / "rank_weights" / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    lora = [n for n in ranks[0] if "lora_" in n]
+    assert lora and set(ranks[0]) == set(ranks[1])
+    assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in lora), "the ranks' adapters differ"
+    assert any(ranks[0][n].abs().max() > 0 for n in lora if "lora_B" in n), "lora_B starts at 0: it never trained"
+    cfg = _cfg(str(data), str(ck), lora_rank=4, lora_alpha=8.0)
+    trained = _model(cfg)
+    T.configure_trainable(trained, cfg)
+    start = {n: p.detach().clone() for n, p in trained.named_parameters()}
+    assert set(ranks[0]) == set(start)
+    for n in ranks[0]:  # the frozen base: the checkpoint's, bit for bit, on both ranks
+        if "lora_" not in n:
+            assert torch.equal(ranks[0][n], start[n]) and torch.equal(ranks[1][n], start[n]), n
+    assert not trained.load_state_dict(ranks[1], strict=False).unexpected_keys  # rank 1's (buffers: the start's)
+    exported = load_file(str(out / RunDir.ADAPTER / "adapter_model.safetensors"))
+    held = T.lora_state_dict(trained)
+    assert set(exported) == set(held) and all(torch.equal(exported[k], held[k]) for k in held)
+    batch = next(b for b in local_batches(cfg, limit=8) if len(b["patches"]))
+    with torch.no_grad():
+        want = trained.eval()(batch)
+        assert (want - _model(_cfg(str(data), str(ck))).eval()(batch)).abs().max() > 0  # the adapters act
+    _reloads_to(out / RunDir.ADAPTER, str(data), str(ck), batch, want)

@@ -11,19 +11,33 @@ from ray_mmbatch.config import Config, load_config
 @pytest.mark.slow
 def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parquet_dataset, tmp_path, monkeypatch):
     from ray_mmbatch.run.tune import format_table, tune_budgets
-    from tests.test_trackers import mlflow_runs, tb_scalars
+    from tests.test_trackers import (
+        mlflow_runs,
+        need_trackers,
+        read_wandb_log,
+        tb_scalars,
+        wandb_history,
+        wandb_run_files,
+        wandb_run_record,
+    )
 
-    # --report-to in a sweep: each trial logs its own run; the MLflow store is set in this process only
-    # (the cluster's workers started before it), so the sweep must hand it to the trials
+    need_trackers("wandb", "mlflow", "tensorboard")
+    # --report-to in a sweep: each trial logs its own run; the MLflow store and the W&B settings are set
+    # in this process only (the cluster's workers started before it), so the sweep must hand them to the trials
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("WANDB_API_KEY", "not-to-be-written")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    monkeypatch.setenv("WANDB_PROJECT", "ray_mmbatch_tests")
+    monkeypatch.delenv("WANDB_RUN_GROUP", raising=False)  # the default group: the sweep folder's name
+    (tmp_path / "wandb").mkdir()
 
     base = Config()
     base.data.path, base.data.format = str(small_parquet_dataset), "parquet"
     base.budget.window = 64
     base.data.eval_split = 0.25  # every trial ends with its held-out loss (--metric eval_loss can rank by it)
-    base.train.report_to = "tensorboard,mlflow"
+    base.train.report_to = "tensorboard,mlflow,wandb"
     settings = [
         {"budget.max_tokens": 512},
         {"budget.max_tokens": 4096},
@@ -49,6 +63,26 @@ def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parque
         assert len(losses) == 3 and runs[name].data.metrics["eval_loss"] == pytest.approx(t["eval_loss"])
         assert runs[name].data.params["budget.max_tokens"] == str(t["setting"]["budget.max_tokens"])
     assert "not-to-be-written" not in "".join(p.read_text() for p in (tmp_path / "tune").rglob("params.json"))
+    # W&B: one offline run per trial (the failed one too, ended with exit code 1), named after it, grouped by
+    # the sweep (WANDB_RUN_GROUP's default: the sweep folder's name), in the sweep's project
+    wandb_runs = {}
+    for path in wandb_run_files(tmp_path / "wandb"):
+        records = read_wandb_log(path)
+        wandb_runs[wandb_run_record(records).display_name] = records
+    names = {"trial-" + "-".join(f"{k.split('.')[-1]}={v}" for k, v in sorted(t["setting"].items())): t
+             for t in trials}
+    assert len(wandb_runs) == len(wandb_run_files(tmp_path / "wandb")) == 3 and set(wandb_runs) == set(names)
+    assert set(runs) == set(names)  # MLflow: one run per trial as well
+    for name, records in wandb_runs.items():
+        run = wandb_run_record(records)
+        assert run.run_group == "tune" and run.project == "ray_mmbatch_tests", (name, run.run_group, run.project)
+        (exit_record,) = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
+        assert exit_record.exit_code == (0 if names[name]["feasible"] else 1), name
+        rows = wandb_history(records)
+        assert [r["loss"] for r in rows if "loss" in r] == ([pytest.approx(v) for _, v in tb_scalars(
+            tmp_path / "tune" / name)["loss"]] if names[name]["feasible"] else [])
+        if names[name]["feasible"]:
+            assert [r["eval_loss"] for r in rows if "eval_loss" in r] == [pytest.approx(names[name]["eval_loss"])]
 
     best = load_config(tmp_path / "tune" / "best.yaml")
     assert best.budget.max_tokens == fastest["setting"]["budget.max_tokens"]
