@@ -5,9 +5,10 @@ the HF processor's ids and pixels fed to ``*ForConditionalGeneration(input_ids, 
 attention_mask=ones)`` -> logits -> shifted CE at the target positions (``reference_ce``). Our side is
 the pipeline's: raw rows -> measure_batch -> materialize_sample (``through_the_data_path``) ->
 collate_pack / collate_pad -> batch_to_torch (``collate``) -> HFModel.target_ce. Every target token's
-CE must match within ``TOL`` nats in fp32 and every weight's gradient within ``TOL`` of its norm, in
-pack and in pad mode (``check_exact``); the controls -- the same packed row fed the naive ways --
-must move the CE by more than 100 x TOL (``check_caught``), so that the exactness check could fail.
+CE must match within the family's ``TOLERANCE`` (nats, fp32) and every weight's gradient within its gradient
+tolerance of its norm, in pack and in pad mode (``check_exact``); the controls -- the same packed row fed the
+naive ways -- must move the CE by more than 100 x the family's tolerance, or be refused by HF for the reason
+they are wrong (``check_caught``), so that the exactness check could fail.
 
 A module keeps what is its family's own: the checkpoint, the HF processor's inputs of one sample
 (``built``: samples, HF kwargs per sample, ...), its own controls and its configure cases; the
@@ -20,6 +21,7 @@ import io
 import json
 import re
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -32,7 +34,35 @@ from ray_mmbatch.batching.collate import collate_pack, collate_pad
 from ray_mmbatch.config import Config
 from ray_mmbatch.train.step import batch_to_torch
 
-TOL = 1e-4
+
+class Tolerance(NamedTuple):
+    ce: float  # nats per target token, fp32: |CE in the batch - CE of the sample alone through HF's path|
+    grad: float  # per weight: ||grad of the batch's CE sum - sum of the samples' alone|| / its norm (check_exact)
+
+
+# The exactness tolerance of every family, in this one place (the family modules, tests/test_models_qwen.py and
+# tests/varlen_check.py take theirs from here; the controls must move the CE by more than 100 x its ``ce``).
+# Measured worst cases per family and mode, and how: benchmarks/RESULTS.md, "Exactness per family (issue 36)".
+# Packing itself moves a target token's CE by at most 4e-6 nats in every family (the batch against HF's path fed
+# our own pixels; one sample alone, fed identically, is bit-identical to HF's path). The rest is pixel
+# normalization rounding: HF's processors and hf_common.normalize_patches round the normalized pixels 1-4 ulp
+# apart (at most 7e-7), and the tiny random towers (initializer_range 0.2) amplify that 10-100x into the CE.
+# Rule: 1e-5 (the documented figure) where the worst seen is at most half of it; 2e-5 where it is under 1e-5
+# but not by 2x; above 1e-5, the worst rounded up to one significant digit, its reason named.
+TOLERANCE = {  # comments: worst CE / gradient difference seen, any mode, any check
+    "qwen2_vl": Tolerance(ce=2e-5, grad=1e-5),  # 6.7e-6 (eager) / 4.3e-6 (one thread)
+    "qwen2_5_vl": Tolerance(ce=2e-5, grad=2e-5),  # 9.5e-6 / 7.4e-6
+    "qwen3_vl": Tolerance(ce=1e-5, grad=1e-5),  # 3.8e-6 / 1.8e-6
+    "llava": Tolerance(ce=2e-5, grad=1e-5),  # 8.6e-6 (the do_pad data path) / 3.3e-6
+    # LLaVA-OneVision: 5.15e-5 / 3.5e-5, pixel normalization rounding: HF's pixels of one sample (a 3 x 100 line
+    # and a square) are up to 4.8e-7 from ours and its SigLIP tower amplifies that ~100x; fed our pixels, HF's
+    # path is 1.9e-6 / 7.1e-6 from the batch
+    "llava_onevision": Tolerance(ce=6e-5, grad=4e-5),
+    "internvl": Tolerance(ce=2e-5, grad=1e-5),  # 6.7e-6 / 3.4e-6
+    "gemma3": Tolerance(ce=1e-5, grad=1e-5),  # 3.8e-6 / 1.7e-6
+    "idefics3": Tolerance(ce=2e-5, grad=2e-5),  # SmolVLM and Idefics3 checkpoints: 6.7e-6 / 5.6e-6
+}
+TOL = TOLERANCE["qwen2_vl"].ce  # tests/test_ingest.py's (a Qwen2-VL checkpoint) until it reads TOLERANCE itself
 
 
 # ------------------------------------------------------------------ inputs
@@ -166,7 +196,8 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 
 def family_fixtures(backend, make_checkpoint, params=None, ids=None):
-    """The module-scoped fixtures (ckpt, cfg, tok, model, reference) of a family module for ``backend``; the module
+    """The module-scoped fixtures (ckpt, cfg, tok, model, reference, tol) of a family module for ``backend``
+    (``tol``: its TOLERANCE, by backend.NAME); the module
     defines ``built`` = (samples, HF's kwargs of each sample for reference_ce, ...). ``make_checkpoint(dir)``
     writes the tiny checkpoint; with ``params`` (pytest ids ``ids``) ``make_checkpoint(dir, param)``, one
     checkpoint per param, every test of the module run on each."""
@@ -201,12 +232,17 @@ def family_fixtures(backend, make_checkpoint, params=None, ids=None):
             ces.append(ce.detach())
         return torch.cat(ces), grads(model)
 
-    return ckpt, cfg, tok, model, reference
+    @pytest.fixture(scope="module")
+    def tol():
+        return TOLERANCE[backend.NAME]
+
+    return ckpt, cfg, tok, model, reference, tol
 
 
 # ------------------------------------------------------------------ exactness and its controls
-def check_exact(model, batch: dict, reference, mode: str) -> None:
-    """Per-token CE equal to each sample alone within TOL, and so is the gradient of their sum: per parameter,
+def check_exact(model, batch: dict, reference, mode: str, tol: Tolerance) -> None:
+    """Per-token CE equal to each sample alone within ``tol.ce``, and so is the gradient of their sum (within
+    ``tol.grad``): per parameter,
     relative to its own norm; weights whose gradient is exactly zero in exact arithmetic (attention key
     biases: softmax is shift-invariant) carry float noise only, measured against a floor of 1e-3 of the
     whole gradient's norm."""
@@ -214,16 +250,16 @@ def check_exact(model, batch: dict, reference, mode: str) -> None:
     ce = model.target_ce(batch)
     assert ce.shape == ref_ce.shape
     diff = (ce.detach() - ref_ce).abs().max().item()
-    print(f"{mode}: {ce.numel()} target tokens, max per-token CE diff {diff:.2e}")
-    assert diff < TOL
+    print(f"{mode}: {ce.numel()} target tokens, max per-token CE diff {diff:.2e} (tolerance {tol.ce:.0e})")
+    assert diff < tol.ce
     ce.sum().backward()
     got = grads(model)
     assert got.keys() == ref_grads.keys()
     floor = 1e-3 * torch.sqrt(sum(g.norm() ** 2 for g in ref_grads.values()))
     rel = {n: ((got[n] - g).norm() / torch.maximum(g.norm(), floor)).item() for n, g in ref_grads.items()}
     worst = max(rel.values())
-    print(f"{mode}: worst per-parameter relative gradient diff {worst:.2e}")
-    assert worst < TOL
+    print(f"{mode}: worst per-parameter relative gradient diff {worst:.2e} (tolerance {tol.grad:.0e})")
+    assert worst < tol.grad
 
 
 def naive_inputs(model, batch: dict, naive: str) -> dict:
@@ -240,19 +276,25 @@ def naive_inputs(model, batch: dict, naive: str) -> dict:
     return kwargs
 
 
-def check_caught(model, batch: dict, kwargs: dict, reference: torch.Tensor, naive: str, may_refuse=()) -> None:
-    """The tolerance is meaningful: the CE of ``batch`` run on ``kwargs`` moves far beyond it (or HF refuses
-    them with one of ``may_refuse``: tiles or features no longer match the tokens)."""
+def check_caught(model, batch: dict, kwargs: dict, reference: torch.Tensor, naive: str, tol: Tolerance,
+                 may_refuse: tuple[tuple[type[Exception], str], ...] = ()) -> float | None:
+    """The tolerance is meaningful: the CE of ``batch`` run on ``kwargs`` moves by more than 100 x ``tol.ce``;
+    or HF refuses them for the reason they are wrong: ``may_refuse`` holds (exception class, message regex)
+    pairs, and an exception passes only if its class is one of them exactly and its message matches that
+    pair's regex (re.search); any other exception is raised. Returns the CE moved, None where refused."""
     with torch.no_grad():
         try:
             hidden = model.hf_model.model(**kwargs).last_hidden_state
-        except may_refuse as e:
-            print(f"naive {naive}: HF refuses ({e})")
-            return
+        except Exception as e:
+            if not any(type(e) is cls and re.search(pattern, str(e)) for cls, pattern in may_refuse):
+                raise
+            print(f"naive {naive}: HF refuses ({type(e).__name__}: {e})")
+            return None
         ce = model._target_ce(hidden, batch["labels"], "none")
     diff = (ce - reference).abs().max().item()
     print(f"naive {naive}: max per-token CE diff {diff:.2e}")
-    assert diff > 100 * TOL, f"{naive}: CE moved only {diff:.2e}, so the exactness test could not fail"
+    assert diff > 100 * tol.ce, f"{naive}: CE moved only {diff:.2e}, so the exactness test could not fail"
+    return diff
 
 
 def check_text_only_and_gradients(model, samples: list[dict], text_only: int, pad_id: int) -> None:
@@ -269,7 +311,8 @@ def check_text_only_and_gradients(model, samples: list[dict], text_only: int, pa
         assert trainable == set(grads(model))
 
 
-def check_pack_exact_with_eager(backend, cfg, tok, samples: list[dict], reference, text_config) -> None:
+def check_pack_exact_with_eager(backend, cfg, tok, samples: list[dict], reference, text_config,
+                                tol: Tolerance) -> None:
     """The masks come from transformers' mask builder, so eager gets the same one as sdpa, in its own format;
     ``text_config(hf_model)``: the language model's config."""
     eager_cfg = copy.deepcopy(cfg)
@@ -278,18 +321,18 @@ def check_pack_exact_with_eager(backend, cfg, tok, samples: list[dict], referenc
     assert text_config(eager.hf_model)._attn_implementation == "eager"
     with torch.no_grad():
         ce = eager.target_ce(collate("pack", samples, tok.pad_token_id))
-    assert (ce - reference[0]).abs().max().item() < TOL
+    assert (ce - reference[0]).abs().max().item() < tol.ce
 
 
 # ------------------------------------------------------------------ flash attention's varlen metadata
-def check_flash_varlen(model, text_config, pack: dict, pad: dict, reference: torch.Tensor) -> None:
+def check_flash_varlen(model, text_config, pack: dict, pad: dict, reference: torch.Tensor, tol: Tolerance) -> None:
     """On a flash-named implementation the packed row's cu_seq_lens / max_length reach every decoder layer's
     attention call and the loss is exact on them alone; without them attention crosses samples
     (tests/varlen_check.check_varlen). Only the language model's layers get there (the vision tower keeps
     its own implementation), and padded rows get none (the 2-D mask says it all)."""
     from tests import varlen_check
 
-    diff = varlen_check.check_varlen(model, text_config, pack, reference, TOL)
+    diff = varlen_check.check_varlen(model, text_config, pack, reference, tol.ce)
     print(f"pack through the recorded varlen kwargs: max per-token CE diff {diff:.2e}")
     layers, recorded = text_config.num_hidden_layers, varlen_check.RECORDED  # the packed run's, then the control's
     assert len(recorded) == 2 * layers and sum(r["cu_seq_lens_q"] is not None for r in recorded) == layers
@@ -393,16 +436,16 @@ def generated_data(tmp_path_factory, name: str, n: int = 24, seed: int = 5):
     return data
 
 
-def verify_packing(ckpt, data, mode: str, max_tokens: int, capsys) -> dict:
+def verify_packing(ckpt, data, mode: str, max_tokens: int, capsys, tol: Tolerance) -> dict:
     """jobs/verify_packing.py (the verify-packing command) on ``data`` through the real data path: three batches,
-    exact within TOL. Returns its report."""
+    exact within ``tol.ce``. Returns its report."""
     import jobs.verify_packing as job
 
     rc = job.main(["--model", str(ckpt), "--data", str(data), "--mode", mode, "--max-tokens", str(max_tokens),
                    "--batches", "3", "--device", "cpu"])
     report = json.loads(capsys.readouterr().out)
     assert rc == 0, report
-    assert report["ok"] and report["batches"] == 3 and report["max_abs_diff"] < TOL, report
+    assert report["ok"] and report["batches"] == 3 and report["max_abs_diff"] < tol.ce, report
     return report
 
 
@@ -414,11 +457,11 @@ def exactness_test(check_batch=None):
     first, if given."""
 
     @pytest.mark.parametrize("mode", ["pack", "pad"])
-    def test(model, built, reference, tok, mode):
+    def test(model, built, reference, tok, tol, mode):
         batch = collate(mode, built[0], tok.pad_token_id)
         if check_batch is not None:
             check_batch(batch)
-        check_exact(model, batch, reference, mode)
+        check_exact(model, batch, reference, mode, tol)
 
     return test
 
@@ -437,9 +480,9 @@ def text_only_test(text_only: int = 0, then=None):
 def flash_varlen_test(text_config):
     """check_flash_varlen on the built samples; ``text_config(hf_model)``: the language model's config."""
 
-    def test(model, built, reference, tok):
+    def test(model, built, reference, tok, tol):
         pack, pad = (collate(mode, built[0], tok.pad_token_id) for mode in ("pack", "pad"))
-        check_flash_varlen(model, text_config(model.hf_model), pack, pad, reference[0])
+        check_flash_varlen(model, text_config(model.hf_model), pack, pad, reference[0], tol)
 
     return test
 
@@ -485,9 +528,9 @@ def verify_packing_test(backend, max_tokens: int):
     packs (verify_packing)."""
 
     @pytest.mark.parametrize("mode", ["pack", "pad"])
-    def test(ckpt, tmp_path_factory, mode, capsys):
+    def test(ckpt, tmp_path_factory, tol, mode, capsys):
         data = generated_data(tmp_path_factory, f"{backend.NAME}_verify_data")
-        report = verify_packing(ckpt, data, mode, max_tokens, capsys)
+        report = verify_packing(ckpt, data, mode, max_tokens, capsys, tol)
         assert mode == "pad" or report["samples"] > report["batches"]  # a real pack among them
 
     return test
