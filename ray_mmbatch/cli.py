@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import importlib
 import inspect
 import sys
@@ -24,14 +25,20 @@ FLAGS: dict[str, str] = cli_flags()
 
 def _field_doc(section_cls: type, name: str) -> str:
     """The docstring written under a dataclass field (config.py's convention)."""
-    src = inspect.getsource(section_cls)
-    tree = ast.parse(src)
+    return _field_docs(section_cls).get(name, "")
+
+
+@functools.cache
+def _field_docs(section_cls: type) -> dict[str, str]:
+    """{field: its docstring} of a config section, parsed once (every parser build reads them all)."""
+    tree = ast.parse(inspect.getsource(section_cls))
     body = tree.body[0].body
+    docs = {}
     for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == name:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                return str(nxt.value.value)
-    return ""
+                docs[node.target.id] = str(nxt.value.value)
+    return docs
 
 
 def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
