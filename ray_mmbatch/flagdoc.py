@@ -33,7 +33,7 @@ def _md(text: str) -> str:
 def _default(value) -> str:
     if value == "" or value == ():
         return "`''`" if value == "" else "`()`"
-    text = repr(value) if not isinstance(value, (list, dict)) else repr(value)
+    text = repr(value)
     if len(text) > 40:
         text = text[:37] + "..."
     return f"`{text}`".replace("|", "\\|")

@@ -193,7 +193,7 @@ def _workspace(assets: Path, page_text: str, into: Path) -> Path:
 
 #: `ray X` commands that start, stop or reach a cluster: the shared local cluster stands in for it
 CLUSTER_LIFECYCLE = ("start", "stop", "up", "down", "dashboard", "attach", "exec", "status", "get-auth-token")
-JOBS = {p.stem: p.stem for p in (ROOT / "jobs").glob("*.py") if p.stem != "__init__"}
+JOBS = {p.stem for p in (ROOT / "jobs").glob("*.py")} - {"__init__"}  # jobs/X.py runs ray_mmbatch.commands.X
 
 
 def local_equivalent(argv: list[str]) -> list[str]:
@@ -230,7 +230,8 @@ def _in_process(argv: list[str]) -> int | None:
     if head == "ray-mmbatch":
         return _exit_code(lambda: cli.main(local_equivalent(argv[1:])))
     if head in ("python", "python3") and len(argv) > 1 and argv[1].startswith("jobs/"):
-        module = JOBS[Path(argv[1]).stem]
+        module = Path(argv[1]).stem
+        assert module in JOBS, f"{argv[1]} is not one of the jobs {sorted(JOBS)}"
         import importlib
 
         main = importlib.import_module(f"ray_mmbatch.commands.{module}").main

@@ -67,6 +67,10 @@ def progress_line(m: dict[str, Any], max_steps: int, elapsed: float, eta: float 
             f"{_fmt_time(elapsed)} elapsed, eta {_fmt_time(eta)}")
 
 
+#: bytes before the read position kept to tell a rewritten file (a metrics line is ~0.5 kB: several lines)
+_FINGERPRINT = 4096
+
+
 def _key(record: dict) -> str:
     return json.dumps(record, sort_keys=True)
 
@@ -83,7 +87,7 @@ class ProgressPrinter:
         self.stream = stream or sys.stdout
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.interval, self.t0 = interval, time.time()
-        self._offset, self._tail, self._seen = 0, b"", []  # read position, the last line read, keys of lines read
+        self._offset, self._tail, self._seen = 0, b"", []  # read position, the bytes before it, keys of lines read
         self._read(print_new=False)  # a resumed run's old lines: known, not printed
         self._first: tuple[float, float] | None = None  # (time, share done) at the first report: start-up excluded
         self._stop = threading.Event()
@@ -114,8 +118,8 @@ class ProgressPrinter:
 
     def _read(self, print_new: bool) -> None:
         """Read the lines appended since the last poll. A restore rewrites the file without the steps it undid
-        (RunDir.trim), and it may grow past our position again before we look: when the line that ended at
-        our position is no longer there, read the file again and print what follows the lines already read."""
+        (RunDir.trim), and it may grow past our position again before we look: when the bytes that ended at
+        our position are no longer there, read the file again and print what follows the lines already read."""
         if not self.path.exists():
             return
         if self._rewritten():
@@ -124,16 +128,12 @@ class ProgressPrinter:
             same = 0
             while same < min(len(keys), len(self._seen)) and keys[same] == self._seen[same]:
                 same += 1
-            self._seen, records, start = self._seen[:same], records[same:], 0
+            self._seen, records = self._seen[:same], records[same:]
         else:
-            start = self._offset
-            records, end = read_jsonl_from(self.path, start)
-        with open(self.path, "rb") as f:
-            f.seek(start)
-            data = f.read(end - start)
-        if data:
-            body = data[:-1] if data.endswith(b"\n") else data
-            self._tail = data[body.rfind(b"\n") + 1:]
+            records, end = read_jsonl_from(self.path, self._offset)
+        with open(self.path, "rb") as f:  # the bytes just before our new position: what _rewritten checks
+            f.seek(max(0, end - _FINGERPRINT))
+            self._tail = f.read(end - max(0, end - _FINGERPRINT))
         self._offset = end
         for m in records:
             self._seen.append(_key(m))
