@@ -88,6 +88,36 @@ class ImageConfig:
     N tiles' worth."""
     anyres_features: int = 0
     """resize='anyres': vision features per tile side (the tower's image_size // patch size; 27 at 384 / 14)."""
+    video: str = ""
+    """Which video processor the cost model and pixels follow (data/video.py): '' = the family takes no video
+    (a video sample stops the run at start, naming the family), 'qwen2_vl' (HF Qwen2VLVideoProcessor: Qwen2-VL,
+    Qwen2.5-VL). A ``--model`` checkpoint sets it, and the video_* settings below, from its
+    video_preprocessor_config.json (else preprocessor_config.json, as HF falls back)."""
+    video_sample_frames: bool = False
+    """HF ``do_sample_frames``: sample frames by video_fps / video_num_frames; False = every frame of the clip
+    (Qwen2-VL's processor default)."""
+    video_fps: float | None = flag("--video-fps", None)
+    """Frames sampled per second of video (HF ``fps``), within video_min_frames..video_max_frames; used when
+    video_sample_frames is on and video_num_frames is unset."""
+    video_num_frames: int | None = None
+    """A fixed number of frames sampled from every clip (HF ``num_frames``; rounded to temporal_patch_size)."""
+    video_min_frames: int = 4
+    """Fewest frames fps sampling takes from a clip (HF ``min_frames``)."""
+    video_max_frames: int = 768
+    """Most frames fps sampling takes from a clip (HF ``max_frames``)."""
+    video_min_pixels: int = 128 * 28 * 28
+    """Smart resize lower bound on a frame's area (HF video processor ``size['shortest_edge']``)."""
+    video_max_pixels: int = flag("--video-max-pixels", 768 * 28 * 28)
+    """Smart resize upper bound on a frame's area (HF video processor ``size['longest_edge']``)."""
+    video_cap_pixels_per_frame: bool = False
+    """HF ``cap_pixels_per_frame`` (qwen-vl-utils' rule): each frame is also limited to an even share of
+    video_max_tokens tokens' worth of pixels (90 %), floored at 1.05 x video_min_pixels."""
+    video_max_tokens: int = 128000
+    """HF ``max_video_tokens``: the token budget cap_pixels_per_frame shares among a clip's frames."""
+    video_mean: tuple[float, ...] = ()
+    """Per-channel mean for video pixels (the video processor's ``image_mean``); () = image_mean."""
+    video_std: tuple[float, ...] = ()
+    """Per-channel std for video pixels; () = image_std."""
 
     @property
     def factor(self) -> int:
@@ -108,6 +138,9 @@ class TextConfig:
     (<|im_start|>role ... <|im_end|>, the built-in model's format)."""
     image_token: str = "<|image_pad|>"
     """The token an image slot expands to (one per image token); a checkpoint sets its own (LLaVA: <image>)."""
+    video_token: str = ""
+    """The token the chat template writes for a video (Qwen-VL ``<|video_pad|>``; one per video in text_ids,
+    expanded by materialize); '' = the family takes no video. A ``--model`` checkpoint sets it."""
     image_block: tuple[str, ...] = ()
     """(token, text): the checkpoint's processor writes ``text`` in place of each ``token`` its chat template
     writes for an image, ``text`` holding ``image_token`` once, where the image's tokens go (Gemma 3:
@@ -127,6 +160,9 @@ class BudgetConfig:
     """Budget on vision-encoder patches per batch (None = unbounded)."""
     max_images: int | None = flag("--max-images", None)
     """Budget on images per batch (None = unbounded)."""
+    max_frames: int | None = flag("--max-frames", None)
+    """Most video frames (sampled frames of all videos) per batch; None = no limit. Video tokens already count in
+    max_tokens; this bounds the decode and vision-encoder memory of clips."""
     max_samples: int | None = flag("--max-samples", None)
     """Budget on samples per batch (None = unbounded)."""
     attn_weight: float = flag("--attn-weight", 0.0)

@@ -15,7 +15,9 @@ from __future__ import annotations
 # One row per sample, as produced by every reader (data/sources.py).
 SAMPLE_ID = "sample_id"          # str, unique within a dataset
 CONVERSATIONS = "conversations"  # str: JSON list of {"from": "system"|"human"|"gpt", "value": str}
-IMAGES = "images"                # list<binary>: encoded image files, never decoded at read time
+IMAGES = "images"                # list<binary>: encoded media files (images, and video containers: mp4 /
+                                 # webm / mkv ... told apart by their bytes, data/video.is_video), in the order
+                                 # of their placeholders in the text; never decoded at read time
 IMAGE_REFS = "image_refs"        # list<str>: where each image came from (path / tar member), for reports
 READ_ERROR = "read_error"        # str: "" when the record was read fine, else a skip reason (see SKIP_*)
 
@@ -43,9 +45,17 @@ SKIP_REASON = "skip_reason"      # str: "" if usable, else one of SKIP_* (skip_t
 # stages holding no tokenizer (oversize policy, materialize) can find the image slots
 # in TEXT_IDS; a different tokenizer gives a different id, so it cannot be a constant.
 IMAGE_TOKEN_ID = "image_token_id"  # int
+# Video (data/video.py): a video is one media item of IMAGES; its GRIDS row is (t, h, w) with t the
+# temporal patches (sampled frames / temporal_patch_size); IMAGE_TOKENS and PATCHES include its tokens
+# and patches; N_IMAGES counts images only.
+N_FRAMES = "n_frames"            # int: frames sampled from the sample's videos (the max_frames budget)
+N_VIDEOS = "n_videos"            # int
+VIDEO_TOKENS = "video_tokens"    # int: the part of IMAGE_TOKENS that is video
+VIDEO_TOKEN_ID = "video_token_id"  # int: id of the video pad token (-1: the family takes no video)
 
 MEASURED_COLUMNS = RAW_COLUMNS + (
     TEXT_IDS, TEXT_TARGET, GRIDS, TEXT_TOKENS, IMAGE_TOKENS, PATCHES, N_IMAGES, TOKENS, SKIP_REASON, IMAGE_TOKEN_ID,
+    N_FRAMES, N_VIDEOS, VIDEO_TOKENS, VIDEO_TOKEN_ID,
 )
 
 # --------------------------------------------------------------- skip reasons
@@ -66,6 +76,9 @@ SKIP_EMPTY_TEXT = "empty_text"                    # nothing to train on (no targ
 SKIP_OVERSIZE = "oversize"                        # cannot fit any batch and policy is "skip"
 SKIP_TOO_MANY_IMAGES = "too_many_images"          # more images than max_images allows
 SKIP_FILE_TOO_LARGE = "file_too_large"            # an image file / tar member over data.max_file_bytes (never read)
+SKIP_UNREADABLE_VIDEO = "unreadable_video"        # a video container whose header PyAV cannot read (never decoded)
+SKIP_EMPTY_VIDEO = "empty_video"                  # a video stream with zero frames (or no video stream)
+SKIP_CORRUPT_VIDEO = "corrupt_video"              # header fine, a sampled frame cannot be decoded
 # A read unit that cannot be read at all (corrupt / not Parquet, unreadable or dangling shard, FIFO,
 # a file without the text column): ONE row whose sample id is the file's path; counted as a skipped
 # FILE (skipped_files), not as a sample; the run goes on with the other files.
@@ -120,6 +133,9 @@ SPECIAL_TOKENS = (PAD_TOKEN, EOS_TOKEN, IM_START, IM_END, VISION_START, VISION_E
 # convention, not a token: only in human turns of samples that have images does
 # it mark an image slot; everywhere else it is plain text.
 IMAGE_PLACEHOLDER = "<image>"
+# A video's placeholder (LLaVA-Video-178K); the media item it marks must be a video. Some LLaVA-NeXT
+# exports write <image> for a video too: an <image> placeholder takes whatever media item is next.
+VIDEO_PLACEHOLDER = "<video>"
 
 IGNORE_INDEX = -100
 

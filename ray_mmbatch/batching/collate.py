@@ -94,12 +94,39 @@ def _vision(samples: list[dict]) -> dict[str, Any]:
     if any("image_sizes" in s for s in samples):  # resize='anyres': (h, w) per image, in image order
         extra["image_sizes"] = np.concatenate([np.asarray(s.get("image_sizes", np.zeros((0, 2))), np.int32)
                                                .reshape(-1, 2) for s in samples]).astype(np.int32)
+    if any("video_grids" in s for s in samples):  # videos (data/video.py): their own patches, grids, owners
+        extra.update(_videos(samples))
     return extra | {
         "patches": patches,
         "image_grid_thw": grid_thw,
         "image_sample_index": np.repeat(np.arange(len(samples), dtype=np.int32),
                                         [len(g) for g in grids]).astype(np.int32),
         "vision_cu_seqlens": np.concatenate([[0], np.cumsum(per_image)]).astype(np.int32),
+    }
+
+
+def _videos(samples: list[dict]) -> dict[str, Any]:
+    """video_patches uint8 [sum P, 3*tps*ps*ps], video_grid_thw int32 [n_vid, 3], video_sample_index,
+    second_per_grid_ts float32 [n_vid] (Qwen2.5-VL), in sample order."""
+    grids = [np.asarray(s.get("video_grids", np.zeros((0, 3))), np.int32).reshape(-1, 3) for s in samples]
+    with_rows = [np.asarray(s["video_patches"], np.uint8) for s in samples if "video_patches" in s]
+    dims = {p.shape[1] for p in with_rows if p.ndim == 2 and len(p)}
+    if len(dims) > 1:
+        raise ValueError(f"video patch rows differ in size across samples: {sorted(dims)}")
+    dim = dims.pop() if dims else max((p.shape[1] for p in with_rows if p.ndim == 2), default=0)
+    patches = [np.asarray(s.get("video_patches", np.zeros((0, dim), np.uint8)), np.uint8).reshape(-1, dim)
+               for s in samples]
+    for s, g, p in zip(samples, grids, patches):
+        if len(p) != int(np.prod(g, axis=1).sum() if len(g) else 0):
+            raise ValueError(f"sample {s.get('sample_id', '?')}: {len(p)} video patch rows but video grids "
+                             f"say {int(np.prod(g, axis=1).sum())}")
+    return {
+        "video_patches": np.concatenate(patches),
+        "video_grid_thw": np.concatenate(grids).astype(np.int32),
+        "video_sample_index": np.repeat(np.arange(len(samples), dtype=np.int32), [len(g) for g in grids]).astype(
+            np.int32),
+        "second_per_grid_ts": np.concatenate([np.asarray(s.get("second_per_grid_ts", np.zeros(0)), np.float32)
+                                              for s in samples]).astype(np.float32),
     }
 
 

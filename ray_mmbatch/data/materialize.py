@@ -36,6 +36,9 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     target = np.asarray(row[S.TEXT_TARGET], dtype=np.uint8)
     grids = np.array([np.asarray(g, dtype=np.int32) for g in _items(row[S.GRIDS])], dtype=np.int32).reshape(-1, 3)
     pad_id = int(row[S.IMAGE_TOKEN_ID] if image_pad_id is None else image_pad_id)
+    video_id = int(row.get(S.VIDEO_TOKEN_ID, -1))
+    if video_id >= 0 and int(row.get(S.N_VIDEOS, 0)):
+        return _materialize_with_videos(row, ids, target, grids, pad_id, video_id, image_cfg)
     pad_at = np.flatnonzero(ids == pad_id)
     # resize='split' (Idefics3 image splitting): one image token per image_size view, views stacked in the grid
     per_image = grids[:, 1] // grids[:, 2] if image_cfg.resize == "split" else np.ones(len(grids), dtype=np.int32)
@@ -69,3 +72,43 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     if sizes is not None:
         out["image_sizes"] = sizes  # (h, w) per image as displayed: LLaVA-OneVision's image_sizes
     return out
+
+
+def _materialize_with_videos(row: dict, ids: np.ndarray, target: np.ndarray, grids: np.ndarray, pad_id: int,
+                             video_id: int, image_cfg: ImageConfig) -> dict[str, Any]:
+    """materialize_sample for a sample with videos (resize='smart', one token per media item in ids):
+    images as above, each video's sampled frames decoded (data/video.decode_video) into ``video_patches``."""
+    from ray_mmbatch.data.video import decode_video, patchify_video, plan_video
+
+    sid = row[S.SAMPLE_ID]
+    media_at = np.flatnonzero((ids == pad_id) | (ids == video_id))
+    media = _items(row[S.IMAGES])
+    if not (len(media_at) == len(grids) == len(media)):
+        raise ValueError(f"{sid}: {len(media_at)} media tokens, {len(grids)} grids, {len(media)} media items")
+    is_video = ids[media_at] == video_id
+    repeats = np.ones(len(ids), dtype=np.int64)
+    repeats[media_at] = grids[:, 0] * grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
+    input_ids = np.repeat(ids, repeats)
+    expanded_target = np.repeat(target, repeats)
+    if len(input_ids) != int(row[S.TOKENS]):
+        raise ValueError(f"{sid}: {len(input_ids)} tokens, measured {int(row[S.TOKENS])}")
+    labels = np.full(len(input_ids), S.IGNORE_INDEX, dtype=np.int32)
+    labels[:-1] = np.where(expanded_target[1:] == 1, input_ids[1:], S.IGNORE_INDEX)
+    ps, tps = image_cfg.patch_size, max(1, int(image_cfg.temporal_patch_size))
+    image_patches, video_patches, seconds = [], [], []
+    for data, grid, video in zip(media, grids, is_video):
+        if video:
+            plan = plan_video(data, image_cfg)
+            if tuple(int(v) for v in plan.grid) != tuple(int(v) for v in grid):
+                raise ValueError(f"{sid}: a video's grid is {plan.grid} now, measured {tuple(grid)}")
+            video_patches.append(patchify_video(decode_video(data, plan, image_cfg), image_cfg))
+            seconds.append(plan.second_per_grid_t)
+        else:
+            image_patches.append(patchify(decode_image(data, grid, image_cfg), image_cfg))
+    patches = np.concatenate(image_patches) if image_patches else np.zeros((0, 3 * ps * ps), dtype=np.uint8)
+    vpatches = np.concatenate(video_patches) if video_patches else np.zeros((0, 3 * tps * ps * ps), dtype=np.uint8)
+    if patches.shape[0] + vpatches.shape[0] != int(row[S.PATCHES]):
+        raise ValueError(f"{sid}: {patches.shape[0] + vpatches.shape[0]} patches, measured {int(row[S.PATCHES])}")
+    return {"sample_id": str(sid), "input_ids": input_ids, "labels": labels, "patches": patches,
+            "grids": grids[~is_video], "video_patches": vpatches, "video_grids": grids[is_video],
+            "second_per_grid_ts": np.asarray(seconds, dtype=np.float32)}

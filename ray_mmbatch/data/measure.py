@@ -18,6 +18,7 @@ Pure module: no ray, no torch.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,8 @@ from ray_mmbatch.config import BudgetConfig, ImageConfig, TextConfig
 from ray_mmbatch.data.image import ImageSkip, image_grid, image_tokens, probe_image
 from ray_mmbatch.data.materialize import _items
 from ray_mmbatch.data.text.conversations import TextSkip
-from ray_mmbatch.data.text.encoder import encode_conversations, image_token_id
+from ray_mmbatch.data.text.encoder import encode_conversations, image_token_id, video_token_id
+from ray_mmbatch.data.video import VideoSkip, is_video, plan_video
 
 _EMPTY_IDS = np.zeros(0, dtype=np.int32)
 _EMPTY_TARGET = np.zeros(0, dtype=np.uint8)
@@ -50,20 +52,71 @@ def _parse_conversation(value: Any) -> Any:
         raise TextSkip(S.SKIP_MALFORMED_RECORD, f"conversations is not JSON: {e}") from None
 
 
-def _grids(images: list, refs: list, cfg: ImageConfig) -> tuple[np.ndarray, int]:
-    """The images' grids and their LM tokens (data/image.image_tokens)."""
-    grids, tokens = [], 0
+class VideoRefused(ValueError):
+    """A video sample for a model family that takes no video: the run stops, naming the family."""
+
+
+def _grids(images: list, refs: list, cfg: ImageConfig, sample_id: str = "") -> tuple[np.ndarray, int, list]:
+    """The media's grids, their LM tokens (data/image.image_tokens; a video's t*h*w / merge**2) and, per
+    media item, its VideoPlan (None for an image)."""
+    grids, tokens, plans = [], 0, []
+    n_images = sum(1 for data in images if data is not None and not is_video(data))
     for j, data in enumerate(images):
+        where = f"image {j}" + (f" ({refs[j]})" if j < len(refs) and refs[j] else "")
         try:
             if data is None:
                 raise ImageSkip(S.SKIP_EMPTY_FILE, "no bytes")
+            if is_video(data):
+                if not cfg.video:
+                    raise VideoRefused(f"sample {sample_id}: {where.replace('image', 'media item', 1)} is a video, and "
+                                       f"the model's image processing (resize={cfg.resize!r}) takes no video. Families "
+                                       "that train on video: Qwen2-VL, Qwen2.5-VL; or --filter the videos out")
+                plan = plan_video(data, cfg)
+                grids.append(plan.grid)
+                tokens += plan.tokens
+                plans.append(plan)
+                continue
             hw = probe_image(data, cfg)
-            grids.append(image_grid(*hw, cfg, n_images=len(images)))
+            grids.append(image_grid(*hw, cfg, n_images=n_images))
             tokens += image_tokens(grids[-1], hw, cfg)
-        except ImageSkip as e:
-            where = f"image {j}" + (f" ({refs[j]})" if j < len(refs) and refs[j] else "")
+            plans.append(None)
+        except (ImageSkip, VideoSkip) as e:
             raise ImageSkip(e.reason, f"{where}: {e.detail}") from None
-    return np.asarray(grids, dtype=np.int32).reshape(-1, 3), tokens
+    return np.asarray(grids, dtype=np.int32).reshape(-1, 3), tokens, plans
+
+
+def _video_placeholders(conv: Any, plans: list) -> Any:
+    """The conversation with each video's placeholder written as <image> (one media slot for the encoder);
+    TextSkip when a <video> placeholder falls on an image. Placeholders count in human turns, in order."""
+    if not plans or not isinstance(conv, list):
+        return conv
+    pattern = re.compile(f"{re.escape(S.IMAGE_PLACEHOLDER)}|{re.escape(S.VIDEO_PLACEHOLDER)}")
+    out, k = [], 0
+    for turn in conv:
+        value = turn.get("value") if isinstance(turn, dict) else None
+        if not isinstance(value, str) or S.canonical_role(turn.get("from", turn.get("role"))) != "human":
+            out.append(turn)
+            continue
+        parts, last = [], 0
+        for m in pattern.finditer(value):
+            if m.group() == S.VIDEO_PLACEHOLDER and (k >= len(plans) or plans[k] is None):
+                raise TextSkip(S.SKIP_PLACEHOLDER_MISMATCH, f"placeholder {k} is <video> but media item {k} "
+                               "is not a video")
+            parts += [value[last:m.start()], S.IMAGE_PLACEHOLDER]
+            last, k = m.end(), k + 1
+        out.append({**turn, "value": "".join(parts) + value[last:]})
+    return out
+
+
+def _video_pads(ids: np.ndarray, plans: list, image_id: int, video_id: int) -> np.ndarray:
+    """ids with the image token of each video media item replaced by the video token."""
+    at = np.flatnonzero(ids == image_id)
+    kinds = [p is not None for p in plans]
+    if len(at) != len(kinds) or not any(kinds):
+        return ids
+    out = ids.copy()
+    out[at[np.asarray(kinds, dtype=bool)]] = video_id
+    return out
 
 
 def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: TextConfig) -> dict[str, Any]:
@@ -72,17 +125,20 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
     reasons = [""] * n
     grids: list[np.ndarray] = [_EMPTY_GRIDS] * n
     img_tokens = [0] * n
+    plans: list[list] = [[]] * n
     convs: dict[int, Any] = {}
     for i in range(n):
         reasons[i] = _text(batch[S.READ_ERROR][i]) if S.READ_ERROR in batch else ""
         if reasons[i]:
             continue
         try:
-            grids[i], img_tokens[i] = _grids(_items(batch[S.IMAGES][i]),
-                                             [_text(r) for r in _items(batch[S.IMAGE_REFS][i])], image_cfg)
-            convs[i] = _parse_conversation(batch[S.CONVERSATIONS][i])
+            grids[i], img_tokens[i], plans[i] = _grids(_items(batch[S.IMAGES][i]),
+                                                       [_text(r) for r in _items(batch[S.IMAGE_REFS][i])], image_cfg,
+                                                       _text(batch[S.SAMPLE_ID][i]))
+            convs[i] = _video_placeholders(_parse_conversation(batch[S.CONVERSATIONS][i]), plans[i])
         except (ImageSkip, TextSkip) as e:
             reasons[i] = e.skip_reason()
+            convs.pop(i, None)
     rows = list(convs)
     encoded = encode_conversations([convs[i] for i in rows], [len(grids[i]) for i in rows], tok,
                                    train_on_prompt=text_cfg.train_on_prompt, image_token=text_cfg.image_token,
@@ -95,6 +151,10 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
         else:
             ids[i], target[i] = result
     image_id = image_token_id(tok, text_cfg)
+    video_id = video_token_id(tok, text_cfg)
+    for i in rows:
+        if not reasons[i] and any(p is not None for p in plans[i]):
+            ids[i] = _video_pads(ids[i], plans[i], image_id, video_id)
     if image_cfg.resize == "split":  # Idefics3 / SmolVLM image splitting: each image's grid-dependent text block
         from ray_mmbatch.data.split_block import splice_split_blocks
 
@@ -106,7 +166,10 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
     n_images = np.array([len(g) for g in grids], dtype=np.int64) * ok
     patches = np.array([int((g[:, 0] * g[:, 1] * g[:, 2]).sum()) for g in grids], dtype=np.int64) * ok
     image_tokens = np.array(img_tokens, dtype=np.int64) * ok
-    text_tokens = np.array([len(a) - int(np.count_nonzero(a == image_id)) for a in ids], dtype=np.int64) * ok
+    text_tokens = np.array([len(a) - int(np.count_nonzero((a == image_id) | (a == video_id))) for a in ids],
+                           dtype=np.int64) * ok
+    videos = [[p for p in row if p is not None] if k else [] for row, k in zip(plans, ok)]
+    n_images = n_images - np.array([len(v) for v in videos], dtype=np.int64)
     out = {c: batch[c] for c in S.RAW_COLUMNS if c in batch}
     out.update({
         S.TEXT_IDS: [a if k else _EMPTY_IDS for a, k in zip(ids, ok)],
@@ -116,6 +179,10 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
         S.TOKENS: text_tokens + image_tokens,
         S.SKIP_REASON: np.array(reasons, dtype=object),
         S.IMAGE_TOKEN_ID: np.full(n, image_id, dtype=np.int64),
+        S.N_FRAMES: np.array([sum(p.frames for p in v) for v in videos], dtype=np.int64),
+        S.N_VIDEOS: np.array([len(v) for v in videos], dtype=np.int64),
+        S.VIDEO_TOKENS: np.array([sum(p.tokens for p in v) for v in videos], dtype=np.int64),
+        S.VIDEO_TOKEN_ID: np.full(n, video_id, dtype=np.int64),
     })
     return out
 
@@ -124,7 +191,8 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
 def _skipped(row: dict, reason: str) -> dict:
     out = dict(row)
     out.update({S.SKIP_REASON: reason, S.TEXT_IDS: _EMPTY_IDS, S.TEXT_TARGET: _EMPTY_TARGET, S.GRIDS: _EMPTY_GRIDS,
-                S.TEXT_TOKENS: 0, S.IMAGE_TOKENS: 0, S.PATCHES: 0, S.N_IMAGES: 0, S.TOKENS: 0})
+                S.TEXT_TOKENS: 0, S.IMAGE_TOKENS: 0, S.PATCHES: 0, S.N_IMAGES: 0, S.TOKENS: 0,
+                S.N_FRAMES: 0, S.N_VIDEOS: 0, S.VIDEO_TOKENS: 0})
     return out
 
 
@@ -137,6 +205,9 @@ def fit_to_budget(row: dict, budget: BudgetConfig) -> dict:
         return _skipped(row, f"{S.SKIP_TOO_MANY_IMAGES}: {n_images} images > max_images={budget.max_images}")
     if budget.max_patches is not None and patches > budget.max_patches:
         return _skipped(row, f"{S.SKIP_OVERSIZE}: {patches} patches > max_patches={budget.max_patches}")
+    frames, max_frames = int(row.get(S.N_FRAMES, 0)), getattr(budget, "max_frames", None)
+    if max_frames is not None and frames > max_frames:
+        return _skipped(row, f"{S.SKIP_OVERSIZE}: {frames} video frames > max_frames={max_frames}")
     cap = max_tokens_alone(budget)
     if tokens <= cap:
         return row
@@ -147,9 +218,10 @@ def fit_to_budget(row: dict, budget: BudgetConfig) -> dict:
     target = np.asarray(row[S.TEXT_TARGET], dtype=np.uint8)
     keep = len(ids) - (tokens - cap)
     floor = 0
-    if n_images:  # never cut into an image: keep its token and the one the template writes after it
-        # (Qwen-VL <|vision_end|>, LLaVA's newline), never past the end of the sample
-        floor = min(int(np.flatnonzero(ids == int(row[S.IMAGE_TOKEN_ID]))[-1]) + 2, len(ids))
+    media = (ids == int(row[S.IMAGE_TOKEN_ID])) | (ids == int(row.get(S.VIDEO_TOKEN_ID, -1)))
+    if media.any():  # never cut into an image or video: keep its token and the one the template writes after
+        # it (Qwen-VL <|vision_end|>, LLaVA's newline), never past the end of the sample
+        floor = min(int(np.flatnonzero(media)[-1]) + 2, len(ids))
     if keep < floor:
         return _skipped(row, f"{S.SKIP_OVERSIZE}: {what}; its images alone need {tokens - (len(ids) - floor)}")
     if not target[1:keep].any():  # labels are shifted: target[0] never becomes a label
@@ -168,12 +240,14 @@ def fit_batch_to_budget(batch: dict[str, Any], budget: BudgetConfig) -> dict[str
         bad |= np.asarray(batch[S.PATCHES], dtype=np.int64) > budget.max_patches
     if budget.max_images is not None:
         bad |= np.asarray(batch[S.N_IMAGES], dtype=np.int64) > budget.max_images
+    if getattr(budget, "max_frames", None) is not None and S.N_FRAMES in batch:
+        bad |= np.asarray(batch[S.N_FRAMES], dtype=np.int64) > budget.max_frames
     bad &= np.array([not r for r in batch[S.SKIP_REASON]], dtype=bool)
     if not bad.any():
         return batch
     out = dict(batch)
     changed = (S.TEXT_IDS, S.TEXT_TARGET, S.GRIDS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES, S.TOKENS,
-               S.SKIP_REASON)
+               S.SKIP_REASON) + tuple(c for c in (S.N_FRAMES, S.N_VIDEOS, S.VIDEO_TOKENS) if c in batch)
     for c in changed:
         out[c] = np.array(batch[c], copy=True) if isinstance(batch[c], np.ndarray) else list(batch[c])
     for i in np.flatnonzero(bad):

@@ -283,6 +283,16 @@ def normalize_patches(patches: torch.Tensor, mean, std, temporal: int = 1) -> to
     return x.reshape(p, -1)
 
 
+def normalize_video_patches(patches: torch.Tensor, mean, std) -> torch.Tensor:
+    """uint8 [P, 3 * temporal * ps * ps] (data/video.patchify_video rows) -> float32, as HF's torchvision
+    video processors normalize: fused, (x - mean * 255) / (std * 255) on the uint8 values."""
+    p = patches.shape[0]
+    x = patches.reshape(p, 3, -1).to(torch.float32)
+    m = (torch.tensor(tuple(mean)) * (1.0 / (1 / 255))).to(x.device).view(1, 3, 1)
+    s = (torch.tensor(tuple(std)) * (1.0 / (1 / 255))).to(x.device).view(1, 3, 1)
+    return ((x - m) / s).reshape(p, -1)
+
+
 def varlen_kwargs(batch: dict, hf_config) -> dict[str, Any]:
     """A packed row's explicit varlen metadata for HF flash attention, {} where it does not apply.
 
@@ -376,8 +386,9 @@ class HFModel(nn.Module):
     def forward(self, batch: dict, loss_only: bool = False):
         batch = as_torch(batch, self)  # a batch as local_batches / Ray Data yield it works as is
         hidden = self.hf_model.model(**self.forward_inputs(batch)).last_hidden_state
-        patches = batch.get("patches")
-        if torch.is_grad_enabled() and (patches is None or patches.shape[0] == 0):
+        patches, videos = batch.get("patches"), batch.get("video_patches")
+        if torch.is_grad_enabled() and (patches is None or patches.shape[0] == 0) and (
+                videos is None or videos.shape[0] == 0):
             hidden = hidden + 0.0 * sum(p.sum() for m in self.vision_modules() for p in m.parameters())
         if not loss_only:
             return self.hf_model.lm_head(hidden)

@@ -84,6 +84,63 @@ def _check_processor_steps(path: str, processor: dict) -> None:
         raise ValueError(f"{path}: rescale_factor {processor['rescale_factor']} is not 1/255")
 
 
+# HF's Qwen2VLVideoProcessor class defaults (Qwen2-VL and Qwen2.5-VL take video through it), for keys the
+# checkpoint's video processor settings leave out
+_VIDEO_DEFAULTS = {"do_sample_frames": False, "fps": None, "num_frames": None, "min_frames": 4, "max_frames": 768,
+                   "shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768, "cap_pixels_per_frame": False,
+                   "max_video_tokens": 128000}
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # Qwen3-VL's timestamped video blocks are not built yet
+
+
+def video_processor_settings(path: str) -> tuple[dict, str]:
+    """The video processor's settings as HF loads them, and the file they came from: processor_config.json's
+    "video_processor", else video_preprocessor_config.json, else preprocessor_config.json (HF's fallback)."""
+    from ray_mmbatch.models.hf_common import read_json
+
+    root = Path(path)
+    nested = read_json(root / "processor_config.json").get("video_processor")
+    if isinstance(nested, dict) and nested:
+        return nested, "processor_config.json video_processor"
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        found = read_json(root / name)
+        if found:
+            return found, name
+    return {}, "HF's Qwen2VLVideoProcessor defaults"
+
+
+def _configure_video(cfg, path: str, model_type: str) -> None:
+    """image.video* and text.video_token from the checkpoint's video processor (Qwen2-VL / Qwen2.5-VL)."""
+    from ray_mmbatch.models.hf_common import adopt_setting
+
+    if model_type not in VIDEO_MODEL_TYPES:
+        return
+    video, where = video_processor_settings(path)
+    where = f"{path} {where}"
+    size = video.get("size") or {}
+    get = {k: video.get(k, d) for k, d in _VIDEO_DEFAULTS.items()}
+    lo = video.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or get["shortest_edge"]
+    hi = video.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or get["longest_edge"]
+    adopt_setting(cfg, "image.video", "qwen2_vl", f"{path} ({model_type}: HF Qwen2VLVideoProcessor)")
+    adopt_setting(cfg, "image.video_sample_frames", bool(get["do_sample_frames"]), f"{where} do_sample_frames")
+    adopt_setting(cfg, "image.video_fps", None if get["fps"] is None else float(get["fps"]), f"{where} fps",
+                  user_may_override=True)
+    adopt_setting(cfg, "image.video_num_frames", get["num_frames"], f"{where} num_frames")
+    adopt_setting(cfg, "image.video_min_frames", int(get["min_frames"]), f"{where} min_frames")
+    adopt_setting(cfg, "image.video_max_frames", int(get["max_frames"]), f"{where} max_frames")
+    adopt_setting(cfg, "image.video_min_pixels", int(lo), f"{where} size shortest_edge", user_may_override=True)
+    adopt_setting(cfg, "image.video_max_pixels", int(hi), f"{where} size longest_edge", user_may_override=True)
+    adopt_setting(cfg, "image.video_cap_pixels_per_frame", bool(get["cap_pixels_per_frame"]),
+                  f"{where} cap_pixels_per_frame")
+    adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens")
+    for key in ("image_mean", "image_std"):
+        value = video.get(key, _PROCESSOR_DEFAULTS[key])
+        adopt_setting(cfg, f"image.video_{key.split('_')[1]}", tuple(float(v) for v in value), f"{where} {key}")
+    for key in ("patch_size", "merge_size", "temporal_patch_size"):
+        if video.get(key) is not None and int(video[key]) != getattr(cfg.image, key):
+            raise ValueError(f"{where}: the video processor's {key}={video[key]} disagrees with config.json "
+                             f"vision_config ({getattr(cfg.image, key)}); the checkpoint is inconsistent")
+
+
 def _checkpoint_image_token(path: str, image_token_id: int) -> str:
     """The token whose id is config.json's image_token_id, by the checkpoint's own tokenizer."""
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
@@ -141,6 +198,11 @@ def configure(cfg):
     if got != image_token_id:
         raise ValueError(f"--tokenizer {cfg.text.tokenizer}: its {cfg.text.image_token} is id {got}, but the model's "
                          f"image_token_id is {image_token_id} ({path}/config.json); use the checkpoint's tokenizer")
+    video_token_id = int(model_json.get("video_token_id", -1))
+    if model_type in VIDEO_MODEL_TYPES and video_token_id >= 0:
+        adopt_setting(cfg, "text.video_token", str(tok.convert_ids_to_tokens(video_token_id)),
+                      f"{path} tokenizer, token id {video_token_id} (config.json video_token_id)")
+        _configure_video(cfg, path, model_type)
     vocab = int((model_json.get("text_config") or model_json).get("vocab_size", 0))
     if vocab and len(tok) > vocab:
         raise ValueError(f"tokenizer {cfg.text.tokenizer} has {len(tok)} tokens but the model embeds {vocab}")
@@ -149,32 +211,52 @@ def configure(cfg):
 
 # ------------------------------------------------------------------ the forward adapter
 class QwenAdapter:
-    """batch (batching/collate.py layout, tensors) -> kwargs of ``hf_model.model`` (module docstring)."""
+    """batch (batching/collate.py layout, tensors) -> kwargs of ``hf_model.model`` (module docstring).
 
-    def __init__(self, base_model, image_token_id: int, mean, std, temporal: int):
+    Videos (data/video.py): ``pixel_values_videos`` (normalized as HF's video processor does),
+    ``video_grid_thw``, Qwen2.5-VL's ``second_per_grid_ts``; ``mm_token_type_ids`` is 2 at video tokens, and
+    each packed sample's M-RoPE ids come from ``get_rope_index`` on its own images and videos."""
+
+    def __init__(self, base_model, image_token_id: int, mean, std, temporal: int, video_token_id: int = -1,
+                 video_mean=(), video_std=(), seconds: bool = False):
         self.base = base_model  # Qwen*VLModel: its own get_rope_index builds the M-RoPE ids
         self.image_token_id = int(image_token_id)
         self.mean, self.std, self.temporal = tuple(mean), tuple(std), int(temporal)
+        self.video_token_id = int(video_token_id)
+        self.video_mean, self.video_std = tuple(video_mean or mean), tuple(video_std or std)
+        self.seconds = bool(seconds)  # Qwen2.5-VL: the temporal M-RoPE step follows second_per_grid_ts
+
+    def token_types(self, ids):
+        """mm_token_type_ids: 1 at image tokens, 2 at video tokens, 0 elsewhere."""
+        return (ids == self.image_token_id).int() + 2 * (ids == self.video_token_id).int()
 
     def __call__(self, batch: dict) -> dict[str, Any]:
-        from ray_mmbatch.models.hf_common import normalize_patches, varlen_kwargs
+        from ray_mmbatch.models.hf_common import normalize_patches, normalize_video_patches, varlen_kwargs
 
         ids = batch["input_ids"]
         grids = batch.get("image_grid_thw")
         has_images = grids is not None and grids.shape[0] > 0
+        vgrids = batch.get("video_grid_thw")
+        has_videos = vgrids is not None and vgrids.shape[0] > 0
         kwargs: dict[str, Any] = {"input_ids": ids}
         if has_images:
             grids = grids.long()
             kwargs["pixel_values"] = normalize_patches(batch["patches"], self.mean, self.std, self.temporal)
             kwargs["image_grid_thw"] = grids
+        if has_videos:
+            kwargs["pixel_values_videos"] = normalize_video_patches(batch["video_patches"], self.video_mean,
+                                                                    self.video_std)
+            kwargs["video_grid_thw"] = vgrids.long()
+            if self.seconds:
+                kwargs["second_per_grid_ts"] = batch["second_per_grid_ts"]
         if batch["mode"] == "pack":
             kwargs["position_ids"] = self.packed_position_ids(batch)
             # flash attention: the sample boundaries given, not inferred from position ids (hf_common)
             kwargs.update(varlen_kwargs(batch, self.base.language_model.config))
         else:
             kwargs["attention_mask"] = batch["attention_mask"]
-            if has_images:
-                kwargs["mm_token_type_ids"] = (ids == self.image_token_id).int()
+            if has_images or has_videos:
+                kwargs["mm_token_type_ids"] = self.token_types(ids)
         return kwargs
 
     def packed_position_ids(self, batch: dict):
@@ -184,16 +266,23 @@ class QwenAdapter:
         ids = batch["input_ids"]
         cpu_ids = ids[0].cpu()
         cu = batch["cu_seqlens"].cpu().tolist()
+        none = torch.zeros(0, 3, dtype=torch.long)
         grids = batch.get("image_grid_thw")
-        grids = grids.cpu().long() if grids is not None else torch.zeros(0, 3, dtype=torch.long)
+        grids = grids.cpu().long() if grids is not None else none
         owner = batch["image_sample_index"].cpu() if grids.shape[0] else torch.zeros(0, dtype=torch.long)
+        vgrids = batch.get("video_grid_thw")
+        vgrids = vgrids.cpu().long() if vgrids is not None else none
+        vowner = batch["video_sample_index"].cpu() if vgrids.shape[0] else torch.zeros(0, dtype=torch.long)
+        seconds = batch["second_per_grid_ts"].cpu() if vgrids.shape[0] and self.seconds else None
         rows = []
         for i, (start, end) in enumerate(zip(cu[:-1], cu[1:])):
-            mine = grids[owner == i]
-            if mine.shape[0]:
+            mine, mine_v = grids[owner == i], vgrids[vowner == i]
+            if mine.shape[0] or mine_v.shape[0]:
                 seg = cpu_ids[start:end][None]
-                pos, _ = self.base.get_rope_index(input_ids=seg, mm_token_type_ids=(seg == self.image_token_id).int(),
-                                                  image_grid_thw=mine)
+                extra = {"second_per_grid_ts": seconds[vowner == i]} if seconds is not None and mine_v.shape[0] else {}
+                pos, _ = self.base.get_rope_index(input_ids=seg, mm_token_type_ids=self.token_types(seg),
+                                                  image_grid_thw=mine if mine.shape[0] else None,
+                                                  video_grid_thw=mine_v if mine_v.shape[0] else None, **extra)
                 rows.append(pos[:, 0])
             else:
                 rows.append(torch.arange(end - start, dtype=torch.long).expand(3, -1))
@@ -229,7 +318,8 @@ def create_model(cfg, ids: dict):
                              "call configure(cfg) before create_model")
     hf.config.use_cache = False
     adapter = QwenAdapter(hf.model, config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
-                          cfg.image.temporal_patch_size)
+                          cfg.image.temporal_patch_size, getattr(config, "video_token_id", -1),
+                          cfg.image.video_mean, cfg.image.video_std, seconds=config.model_type == "qwen2_5_vl")
     return wrap(hf, cfg, adapter, _vision_modules, NAME)
 
 

@@ -67,6 +67,19 @@ def image_token_id(tok, text_cfg) -> int:
     return _encoder(tok, text_cfg.image_token, tuple(getattr(text_cfg, "image_block", ()))).image_id
 
 
+def video_token_id(tok, text_cfg) -> int:
+    """The id of ``text_cfg.video_token`` (one per video in ``text_ids``, data/measure.py); -1 when the
+    family takes no video (video_token ''). ValueError when the vocabulary lacks it."""
+    token = getattr(text_cfg, "video_token", "")
+    if not token:
+        return -1
+    i = token_id(tok, token)
+    if i is None:
+        raise ValueError(f"video token {token!r} is not in the tokenizer's vocabulary: set text.video_token to the "
+                         f"token its chat template writes for a video (Qwen-VL <|video_pad|>)")
+    return int(i)
+
+
 def _image_id(tok, token: str) -> int:
     i = token_id(tok, token)
     if i is None:

@@ -1,0 +1,325 @@
+"""Video (data/video.py): header cost == HF's video processor, pixels == HF's, packing exact for Qwen2-VL /
+Qwen2.5-VL, bad clips skipped with their reason, only the sampled GOPs decoded.
+
+The clips are made here with PyAV (synthetic/video.py): H.264 with B-frames, MPEG-4 Part 2, VP9 in WebM,
+H.264 in Matroska, a variable-frame-rate clip, a rotated (portrait phone) clip, a thin one, a 1-frame one,
+and broken bytes. HF's video processors need torchvision, which does not load beside this project's CPU
+torch: the reference runs in a second interpreter (``scripts/setup.sh --reference`` makes .venv-ref with
+PyPI's torch 2.14.1 + torchvision 0.29.1 and this transformers; tests/video_reference.py), once per test
+session. Without it the reference tests skip, except under RAY_MMBATCH_REQUIRE_REFERENCE=1 (.ci/run),
+where they fail.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.batching.collate import collate_pack, collate_pad
+from ray_mmbatch.config import Config
+from ray_mmbatch.data.materialize import materialize_sample
+from ray_mmbatch.data.measure import VideoRefused, measure_batch
+from ray_mmbatch.data.text.tokenizer import load_tokenizer
+from ray_mmbatch.data.video import (
+    VideoSkip,
+    _decode_sampled,
+    _torch_float_arange_int,
+    decode_video,
+    is_video,
+    patchify_video,
+    plan_video,
+    probe_video,
+)
+from ray_mmbatch.models import qwen_vl
+from ray_mmbatch.models.hf_common import normalize_video_patches
+from ray_mmbatch.models.inputs import batch_to_torch
+from ray_mmbatch.synthetic.video import clip_frames, encode_clip
+from tests.family_harness import TOLERANCE, image, png
+from tests.hf_checkpoints import make_qwen_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
+VIDEO_PROCESSOR = {"video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": True, "fps": 4.0,
+                   "min_frames": 2, "max_frames": 12, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+                   "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28},
+                   "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                   "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
+def _clips() -> dict[str, bytes]:
+    vfr = [0.0, 0.04, 0.3, 0.35, 0.9, 1.0, 1.6, 1.62, 1.7, 2.5, 2.6, 3.1, 3.2, 3.9]
+    return {
+        "h264_bframes": encode_clip(clip_frames(23, 48, 64, 1), fps=10, bframes=2),
+        "mpeg4_25fps": encode_clip(clip_frames(40, 56, 40, 2), fps=25, codec="mpeg4"),
+        "vp9_webm": encode_clip(clip_frames(17, 64, 64, 3), fps=8, container="webm"),
+        "h264_mkv": encode_clip(clip_frames(15, 40, 72, 4), fps=12, container="mkv"),
+        "vfr": encode_clip(clip_frames(len(vfr), 48, 48, 5), fps=4, pts_seconds=vfr),
+        "rotated": encode_clip(np.rot90(clip_frames(12, 64, 32, 6), k=-1, axes=(1, 2)), fps=6, rotation=90),
+        "thin": encode_clip(clip_frames(10, 16, 192, 7), fps=5),
+        "one_frame": encode_clip(clip_frames(1, 48, 48, 8), fps=1),
+        "long_gop": encode_clip(clip_frames(96, 32, 32, 9), fps=24, gop=8),
+    }
+
+
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> SimpleNamespace:
+    d = tmp_path_factory.mktemp("clips")
+    data = _clips()
+    paths = {}
+    for name, b in data.items():
+        paths[name] = d / f"{name}.{'webm' if 'webm' in name else 'mkv' if 'mkv' in name else 'mp4'}"
+        paths[name].write_bytes(b)
+    return SimpleNamespace(data=data, paths=paths, dir=d)
+
+
+def _checkpoint(tmp_path_factory, model_type: str) -> Path:
+    path = make_qwen_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
+    return path
+
+
+@pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl"))
+def family(request, tmp_path_factory):
+    path = _checkpoint(tmp_path_factory, request.param)
+    cfg = Config()
+    cfg.model.path = str(path)
+    qwen_vl.configure(cfg)
+    tok = load_tokenizer(cfg.text.tokenizer)
+    ids = {"vocab_size": len(tok), "image_token_id": tok.convert_tokens_to_ids(cfg.text.image_token),
+           "pad_id": tok.pad_token_id}
+    torch.manual_seed(0)
+    model = qwen_vl.create_model(cfg, ids).eval()
+    return SimpleNamespace(name=request.param, path=path, cfg=cfg, tok=tok, ids=ids, model=model,
+                           tol=TOLERANCE[request.param])
+
+
+def _reference_python() -> str | None:
+    if Path(REFERENCE).is_file():
+        return REFERENCE
+    if os.environ.get("RAY_MMBATCH_REQUIRE_REFERENCE") == "1":
+        pytest.fail(f"the reference interpreter {REFERENCE} is missing: run scripts/setup.sh --reference")
+    pytest.skip(f"no reference interpreter at {REFERENCE} (scripts/setup.sh --reference makes it)")
+    return None
+
+
+@pytest.fixture(scope="module")
+def reference(clips, family, tmp_path_factory):
+    """HF's own video path on every clip (tests/video_reference.py in the reference interpreter)."""
+    python = _reference_python()
+    d = tmp_path_factory.mktemp("reference")
+    spec = d / "spec.json"
+    spec.write_text(json.dumps({"checkpoint": str(family.path), "clips": {k: str(v) for k, v in clips.paths.items()}}))
+    out = d / "out.npz"
+    done = subprocess.run([python, str(ROOT / "tests" / "video_reference.py"), str(spec), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(np.load(out))
+
+
+# ------------------------------------------------------------------ header cost and pixels == HF
+def test_configure_reads_the_video_processor(family):
+    im = family.cfg.image
+    assert (im.video, im.video_sample_frames, im.video_fps, im.video_min_frames, im.video_max_frames) == \
+        ("qwen2_vl", True, 4.0, 2, 12)
+    assert (im.video_min_pixels, im.video_max_pixels) == (4 * 28 * 28, 16 * 28 * 28)
+    assert family.cfg.text.video_token == "<|video_pad|>"
+
+
+def test_header_cost_equals_the_hf_video_processor(clips, family, reference):
+    """Frame indices, video_grid_thw, tokens and second_per_grid_ts from the header alone == HF's processor,
+    for every codec / container / rate / rotation / shape; then our decoded pixels == HF's pixel_values_videos."""
+    cfg = family.cfg.image
+    failed = [name for name in clips.data if reference[f"{name}/hf_sampler_failed"][0]]
+    assert failed == ["one_frame"]  # HF's sampler divides by zero on it; both then take the clip whole
+    for name, data in clips.data.items():
+        plan = plan_video(data, cfg)
+        assert plan.indices.tolist() == reference[f"{name}/indices"].tolist(), name
+        assert [list(plan.grid)] == reference[f"{name}/grid"].tolist(), name
+        assert plan.tokens == int(np.prod(plan.grid)) // 4
+        assert plan.second_per_grid_t == pytest.approx(float(reference[f"{name}/second_per_grid"][0]), rel=1e-9)
+        ours = patchify_video(decode_video(data, plan, cfg), cfg)
+        theirs = reference[f"{name}/pixels"]
+        assert ours.shape == theirs.shape, name
+        normalized = normalize_video_patches(torch.from_numpy(ours), cfg.video_mean, cfg.video_std).numpy()
+        assert np.array_equal(normalized, theirs), (name, float(np.abs(normalized - theirs).max()))
+
+
+def test_the_checks_would_catch_a_wrong_frame_or_rotation(clips, family, reference):
+    """Controls: a neighbouring frame, or the rotation left off, gives other pixels than HF's."""
+    cfg = family.cfg.image
+    plan = plan_video(clips.data["h264_bframes"], cfg)
+    shifted = type(plan)(plan.header, np.minimum(plan.indices + 1, plan.header.frames - 1), plan.grid, plan.tokens,
+                         plan.temporal)
+    ours = patchify_video(decode_video(clips.data["h264_bframes"], shifted, cfg), cfg)
+    theirs = reference["h264_bframes/pixels"]
+    assert not np.array_equal(normalize_video_patches(torch.from_numpy(ours), cfg.video_mean, cfg.video_std).numpy(),
+                              theirs)
+    rot = plan_video(clips.data["rotated"], cfg)
+    assert (rot.header.rotation, rot.header.height, rot.header.width) == (90, 64, 32)
+
+
+# ------------------------------------------------------------------ sampling, decoding
+def test_the_sampler_equals_torch_arange_as_hf_computes_it():
+    for total in range(1, 400, 7):
+        for num in range(1, min(total, 64) + 1):
+            want = torch.arange(0, total, total / num).int().numpy()
+            assert np.array_equal(_torch_float_arange_int(total, total / num), want), (total, num)
+
+
+def test_only_the_gops_holding_sampled_frames_are_decoded(clips, family):
+    """96 frames, a keyframe every 8: 4 sampled frames decode at most 4 GOPs, and equal a full decode's."""
+    import av
+
+    data = clips.data["long_gop"]
+    indices = np.array([5, 30, 62, 90])
+    frames, decoded = _decode_sampled(data, indices, 96)
+    assert decoded <= 4 * 8 < 96
+    with av.open(str(clips.paths["long_gop"])) as c:
+        every = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    for i, f in zip(indices, frames):
+        assert np.array_equal(f, every[i])
+
+
+def test_is_video_tells_containers_from_images(clips):
+    for name, data in clips.data.items():
+        assert is_video(data), name
+    assert not is_video(png(image(20, 20, 0)))
+    assert not is_video(b"\x00\x00\x00\x1cftypavif" + b"\x00" * 20)  # AVIF still image
+
+
+def test_bad_clips_are_skipped_with_their_reason(clips, family):
+    cfg = family.cfg
+    good = clips.data["h264_bframes"]
+    rows = {
+        "truncated": (good[:200], "<video>\nWhat?"),
+        "garbage": (b"\x00\x00\x00\x18ftypmp42" + os.urandom(300), "<video>\nWhat?"),
+        "huge": (good, "<video>\nWhat?"),
+        "video_on_image": (png(image(40, 40, 1)), "<video>\nWhat?"),
+    }
+    raw = {S.SAMPLE_ID: list(rows), S.CONVERSATIONS: [json.dumps([{"from": "human", "value": t},
+                                                                  {"from": "gpt", "value": "A clip."}])
+                                                      for _, t in rows.values()],
+           S.IMAGES: [[b] for b, _ in rows.values()], S.IMAGE_REFS: [[k] for k in rows], S.READ_ERROR: [""] * len(rows)}
+    small = Config().image
+    small.__dict__.update(cfg.image.__dict__)
+    measured = measure_batch(raw, cfg.image, family.tok, cfg.text)
+    reasons = dict(zip(rows, (S.parse_skip(r)[0] for r in measured[S.SKIP_REASON])))
+    assert reasons["truncated"] in (S.SKIP_UNREADABLE_VIDEO, S.SKIP_EMPTY_VIDEO, S.SKIP_CORRUPT_VIDEO)
+    assert reasons["garbage"] == S.SKIP_UNREADABLE_VIDEO
+    assert reasons["video_on_image"] == S.SKIP_PLACEHOLDER_MISMATCH
+    assert reasons["huge"] == ""
+    small.max_decoded_bytes = 48 * 64 * 3 - 1
+    measured = measure_batch({k: v[2:3] for k, v in raw.items()}, small, family.tok, cfg.text)
+    assert S.parse_skip(measured[S.SKIP_REASON][0])[0] == S.SKIP_DECOMPRESSION_BOMB
+    with pytest.raises(VideoSkip, match="no bytes"):
+        probe_video(b"", cfg.image)
+
+
+def test_a_family_without_video_refuses_a_video_sample(clips):
+    cfg = Config()  # the built-in model: images only
+    tok = load_tokenizer("")
+    raw = {S.SAMPLE_ID: ["v"], S.CONVERSATIONS: [json.dumps([{"from": "human", "value": "<video>\nWhat?"},
+                                                              {"from": "gpt", "value": "A clip."}])],
+           S.IMAGES: [[clips.data["vfr"]]], S.IMAGE_REFS: [["clips/vfr.mp4"]], S.READ_ERROR: [""]}
+    with pytest.raises(VideoRefused, match=r"clips/vfr.mp4.*takes no video.*Qwen2-VL"):
+        measure_batch(raw, cfg.image, tok, cfg.text)
+
+
+# ------------------------------------------------------------------ exact packing of clips and images
+def _samples(family, clips) -> tuple[list[dict], dict]:
+    convs = {
+        "clip": ("<video>\nWhat happens in the clip?", "A square moves to the right.", [clips.data["h264_bframes"]]),
+        "clip_and_image": ("Compare <image> with <video> please.", "The clip moves; the picture does not.",
+                           [png(image(60, 40, 3)), clips.data["vfr"]]),
+        "text": ("Name three primes.", "Two, three and five.", []),
+        "image": ("<image>\nWhat is it?", "Stripes.", [png(image(50, 70, 4))]),
+        "rotated": ("<image>\nDescribe it.", "A portrait clip.", [clips.data["rotated"]]),  # <image> for a video
+    }
+    raw = {S.SAMPLE_ID: list(convs),
+           S.CONVERSATIONS: [json.dumps([{"from": "human", "value": u}, {"from": "gpt", "value": a}])
+                             for u, a, _ in convs.values()],
+           S.IMAGES: [m for *_, m in convs.values()], S.IMAGE_REFS: [[""] * len(m) for *_, m in convs.values()],
+           S.READ_ERROR: [""] * len(convs)}
+    measured = measure_batch(raw, family.cfg.image, family.tok, family.cfg.text)
+    assert not any(measured[S.SKIP_REASON]), list(measured[S.SKIP_REASON])
+    rows = [{c: measured[c][i] for c in measured} for i in range(len(convs))]
+    return [materialize_sample(r, family.cfg.image) for r in rows], measured
+
+
+def _alone_ce(family, s: dict) -> torch.Tensor:
+    """The sample alone through HF's standard forward: HF builds its M-RoPE ids from mm_token_type_ids."""
+    ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[None]
+    image_id, video_id = family.ids["image_token_id"], family.tok.convert_tokens_to_ids("<|video_pad|>")
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False,
+              "mm_token_type_ids": (ids == image_id).int() + 2 * (ids == video_id).int()}
+    im = family.cfg.image
+    if len(s["grids"]):
+        from ray_mmbatch.models.hf_common import normalize_patches
+
+        kwargs.update(pixel_values=normalize_patches(torch.as_tensor(s["patches"]), im.image_mean, im.image_std,
+                                                     im.temporal_patch_size),
+                      image_grid_thw=torch.as_tensor(s["grids"], dtype=torch.long))
+    if len(s.get("video_grids", ())):
+        kwargs.update(pixel_values_videos=normalize_video_patches(torch.as_tensor(s["video_patches"]), im.video_mean,
+                                                                  im.video_std),
+                      video_grid_thw=torch.as_tensor(s["video_grids"], dtype=torch.long))
+        if family.name == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = torch.as_tensor(s["second_per_grid_ts"])
+    logits = family.model.hf_model(**kwargs).logits[0]
+    labels = torch.as_tensor(s["labels"], dtype=torch.long)
+    at = torch.nonzero(labels != S.IGNORE_INDEX).flatten()
+    return F.cross_entropy(logits[at].float(), labels[at], reduction="none")
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode):
+    samples, measured = _samples(family, clips)
+    assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1] and list(measured[S.N_IMAGES]) == [0, 1, 0, 1, 0]
+    assert all(measured[S.N_FRAMES][i] > 0 for i in (0, 1, 4))
+    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, family.ids["pad_id"]), "cpu")
+    with torch.no_grad():
+        ours = family.model.target_ce(batch)
+        want = torch.cat([_alone_ce(family, s) for s in samples])
+    assert ours.shape == want.shape
+    diff = float((ours - want).abs().max())
+    assert diff <= family.tol.ce, diff
+    if mode == "pack":  # controls: a naive pack (positions restarting, no M-RoPE) is visibly off
+        torch.set_grad_enabled(False)
+        kwargs = family.model.forward_inputs(batch)
+        kwargs["position_ids"] = kwargs["position_ids"][:1].expand(4, -1, -1).clone()
+        kwargs["position_ids"][1:] = kwargs["position_ids"][0]
+        hidden = family.model.hf_model.model(**kwargs).last_hidden_state
+        naive = family.model._target_ce(hidden, batch["labels"], "none")
+        assert float((naive - want).abs().max()) > 100 * family.tol.ce
+        if family.name == "qwen2_5_vl":  # without second_per_grid_ts the temporal positions step by 1 s
+            kwargs = family.model.forward_inputs(batch)
+            batch2 = dict(batch, second_per_grid_ts=torch.ones_like(batch["second_per_grid_ts"]))
+            kwargs["position_ids"] = family.model._adapter.packed_position_ids(batch2)
+            hidden = family.model.hf_model.model(**kwargs).last_hidden_state
+            wrong = family.model._target_ce(hidden, batch["labels"], "none")
+            assert float((wrong - want).abs().max()) > 100 * family.tol.ce
+        torch.set_grad_enabled(True)
+
+
+def test_the_budget_counts_frames_and_video_tokens(family, clips):
+    samples, measured = _samples(family, clips)
+    for i, s in enumerate(samples):
+        assert len(s["input_ids"]) == int(measured[S.TOKENS][i])
+        vtok = sum(int(np.prod(g)) // 4 for g in s.get("video_grids", []))
+        assert vtok == int(measured[S.VIDEO_TOKENS][i])
+        n_frames = sum(len(plan_video(m, family.cfg.image).indices)
+                       for m in measured[S.IMAGES][i] if is_video(m))
+        assert n_frames == int(measured[S.N_FRAMES][i])
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,83 @@
+"""HF's own video path on clips, for tests/test_video.py: run by the REFERENCE interpreter (torchvision).
+
+    <reference python> tests/video_reference.py SPEC.json OUT.npz
+
+SPEC: {"checkpoint": dir, "clips": {name: path}}. For every clip, what HF does with it:
+
+* the frames: HF's PyAV loader (``transformers.video_utils.read_video_pyav``) with the checkpoint's
+  video processor's own ``sample_frames`` as the sampling function (or every frame when the processor
+  does not sample), so the indices and the decoded RGB are HF's; the frames are then turned by the
+  rotation PyAV reports on the decoded frame (HF's loader leaves them coded; the project shows them
+  as displayed, docs/data.md says so);
+* the processor: ``AutoVideoProcessor.from_pretrained(checkpoint)`` on those frames with
+  ``do_sample_frames=False``: ``pixel_values_videos``, ``video_grid_thw``; Qwen2.5-VL's
+  ``second_per_grid_ts`` = temporal_patch_size / the sampled fps, as its processor computes it.
+
+Containers that store no frame count (webm / mkv: PyAV reads 0, and HF's loader then samples nothing)
+get the decoded frame count as ``total_num_frames``; the project counts their packets.
+A clip with fewer frames than temporal_patch_size makes HF's fps sampler divide by zero; it is then taken
+whole (what the project does, docs/data.md) and ``<name>/hf_sampler_failed`` is set.
+Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import av
+import numpy as np
+from transformers import AutoVideoProcessor
+from transformers.video_utils import VideoMetadata
+
+
+def _frames(path: str, processor) -> tuple[np.ndarray, np.ndarray, float]:
+    with av.open(path) as c:
+        s = c.streams.video[0]
+        total, fps = int(s.frames), float(s.average_rate)
+    if total == 0:
+        with av.open(path) as c:
+            total = sum(1 for _ in c.decode(video=0))
+    meta = VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps)
+    fell_back = False
+    if getattr(processor, "do_sample_frames", False):
+        try:
+            indices = np.asarray(processor.sample_frames(meta), dtype=np.int64)
+        except ZeroDivisionError:  # fewer frames than temporal_patch_size: HF samples 0 and divides by it
+            indices, fell_back = np.arange(total, dtype=np.int64), True
+    else:
+        indices = np.arange(total, dtype=np.int64)
+    # HF's read_video_pyav, with those indices: decode in order, keep the i-th frames
+    frames, rotation = [], 0
+    with av.open(path) as c:
+        for i, frame in enumerate(c.decode(video=0)):
+            if i > indices[-1]:
+                break
+            if i in indices:
+                frames.append(frame.to_ndarray(format="rgb24"))
+                rotation = int(frame.rotation or 0)
+    video = np.stack(frames)
+    if rotation % 360:
+        video = np.rot90(video, k=(rotation // 90) % 4, axes=(1, 2))
+    sampled_fps = len(indices) / total * fps
+    return np.ascontiguousarray(video), indices, sampled_fps, fell_back
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    processor = AutoVideoProcessor.from_pretrained(spec["checkpoint"])
+    out = {}
+    for name, path in spec["clips"].items():
+        video, indices, sampled_fps, fell_back = _frames(path, processor)
+        got = processor(videos=[video], do_sample_frames=False, return_tensors="np",
+                        **({"cap_pixels_per_frame": bool(spec.get("cap_pixels_per_frame", False))}
+                           if hasattr(processor, "cap_pixels_per_frame") else {}))
+        out[f"{name}/indices"] = indices
+        out[f"{name}/grid"] = np.asarray(got["video_grid_thw"], dtype=np.int64)
+        out[f"{name}/pixels"] = np.asarray(got["pixel_values_videos"], dtype=np.float32)
+        out[f"{name}/second_per_grid"] = np.array([processor.temporal_patch_size / sampled_fps])
+        out[f"{name}/hf_sampler_failed"] = np.array([fell_back])
+    np.savez(out_path, **out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
