@@ -323,3 +323,75 @@ def test_the_budget_counts_frames_and_video_tokens(family, clips):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ------------------------------------------------------------------ a mixed run through Ray
+@pytest.mark.ray
+def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budget(ray_cluster, clips, family,
+                                                                                   tmp_path):
+    """LLaVA-Video-style JSON (video, image, both, text, a broken clip) through read -> measure -> plan ->
+    materialize on Ray under --max-tokens and --max-frames: every sample once (trained or skipped with its
+    reason), no batch over a budget, and a batch's decoded video pixels bounded by its frames."""
+    from ray_mmbatch.batching.collate import decode_batch
+    from ray_mmbatch.data.errors import decode_skips
+    from ray_mmbatch.dataflow.pipeline import batch_dataset
+
+    if family.name != "qwen2_vl":
+        pytest.skip("one family is enough for the Ray path; exactness is checked per family above")
+    names = ["h264_bframes", "vfr", "rotated", "mpeg4_25fps", "vp9_webm", "one_frame", "h264_mkv", "thin"]
+    (tmp_path / "media").mkdir()
+    for n in names:
+        (tmp_path / "media" / clips.paths[n].name).write_bytes(clips.data[n])
+    (tmp_path / "media" / "broken.mp4").write_bytes(clips.data["vfr"][:300])
+    for k in range(4):
+        (tmp_path / "media" / f"p{k}.png").write_bytes(png(image(40 + 30 * k, 60, k)))
+    records, frames = [], {}
+    for k in range(24):
+        clip = clips.paths[names[k % len(names)]].name
+        kind = k % 4
+        rec = {"id": f"r{k}",
+               "conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": f"Answer {k}."}]}
+        if kind == 0:
+            rec.update(video=f"media/{clip}")
+            rec["conversations"][0]["value"] = "<video>\nWhat happens?"
+        elif kind == 1:
+            rec.update(image=f"media/p{k % 4}.png", video=f"media/{clip}")
+            rec["conversations"][0]["value"] = "Compare <image> and <video>."
+        elif kind == 2:
+            rec.update(image=f"media/p{k % 4}.png")
+            rec["conversations"][0]["value"] = "<image>\nWhat is it?"
+        else:
+            rec["conversations"][0]["value"] = "Say something."
+        records.append(rec)
+        frames[f"r{k}"] = len(plan_video(clips.data[names[k % len(names)]], family.cfg.image).indices) \
+            if kind in (0, 1) else 0
+    records.append({"id": "bad", "video": "media/broken.mp4",
+                    "conversations": [{"from": "human", "value": "<video>\nWhat?"}, {"from": "gpt", "value": "No."}]})
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    cfg = Config()
+    cfg.model.path = str(family.path)
+    cfg = qwen_vl.configure(cfg)
+    cfg.data.path, cfg.data.format = str(tmp_path / "data.json"), "llava"
+    cfg.budget.window, cfg.budget.max_tokens, cfg.budget.max_frames = 16, 1024, 24
+    rows = batch_dataset(cfg, family.ids["pad_id"]).take_all()
+    trained, skipped, batches = [], {}, 0
+    for row in rows:
+        for rec in decode_skips(row[S.BATCH_SKIPPED]):
+            skipped[rec.sample_id] = rec.reason
+        if not int(row[S.BATCH_N_SAMPLES]):
+            continue
+        b = decode_batch(bytes(row[S.BATCH_PAYLOAD]))
+        ids = [s.split("#")[-1] for s in b["sample_ids"]]
+        batches += 1
+        assert int(b["seq_lens"].sum()) <= cfg.budget.max_tokens
+        assert sum(frames[i] for i in ids) <= cfg.budget.max_frames
+        if "video_patches" in b:  # decoded video pixels: at most (frames + a padding frame per clip) frames
+            bound = (sum(frames[i] for i in ids) + len(b["video_grid_thw"])) * cfg.image.video_max_pixels * 3
+            assert b["video_patches"].nbytes <= bound
+        trained += list(b["sample_ids"])
+    short = {s.split("#")[-1]: r for s, r in skipped.items()}
+    assert short == {"bad": S.SKIP_UNREADABLE_VIDEO} or short.get("bad") in (S.SKIP_EMPTY_VIDEO, S.SKIP_CORRUPT_VIDEO)
+    assert len(short) == 1
+    assert sorted(s.split("#")[-1] for s in trained) == sorted(f"r{k}" for k in range(24))
+    assert len(trained) == len(set(trained))
+    assert batches > sum(frames.values()) // cfg.budget.max_frames  # the frame budget split the clips

@@ -42,15 +42,16 @@ import numpy as np
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig
-from ray_mmbatch.data.errors import SampleSkip
+from ray_mmbatch.data.image.core import ImageSkip
 
 # ISO base media (mp4 / mov / 3gp) major brands that are still images, not video (AVIF, HEIF)
 _IMAGE_BRANDS = {b"avif", b"avis", b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"hevm", b"hevs",
                  b"mif1", b"msf1", b"mif2"}
 
 
-class VideoSkip(SampleSkip):
-    """A video that cannot be used; ``reason`` is a schema.SKIP_* constant."""
+class VideoSkip(ImageSkip):
+    """A video that cannot be used; ``reason`` is a schema.SKIP_* constant. An ImageSkip, so every stage
+    that skips a sample for its media skips it for a video too."""
 
 
 def is_video(data) -> bool:

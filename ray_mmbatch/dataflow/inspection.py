@@ -46,7 +46,7 @@ class InspectStage:
             reasons, mismatch = self._materialize(measured)
             out[S.SKIP_REASON] += reasons
             out["length_mismatch"] += mismatch
-            for k in (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES):
+            for k in _COUNT_COLUMNS:
                 out[k].append(np.asarray(measured[k], dtype=np.int64))
         ints = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in out.items()
                 if k not in (S.SKIP_REASON, "length_mismatch")}
@@ -71,12 +71,14 @@ class InspectStage:
             except ImageSkip as e:
                 reasons[i] = e.skip_reason()
                 continue
-            mismatch[i] = len(s["input_ids"]) != int(m[S.TOKENS][i]) or len(s["patches"]) != int(m[S.PATCHES][i])
+            patches = len(s["patches"]) + len(s.get("video_patches", ()))
+            mismatch[i] = len(s["input_ids"]) != int(m[S.TOKENS][i]) or patches != int(m[S.PATCHES][i])
         return reasons, mismatch
 
 
-_INSPECT_COUNTS = (S.SKIP_REASON, "length_mismatch", S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES,
-                   S.N_IMAGES)
+_COUNT_COLUMNS = (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES, S.VIDEO_TOKENS, S.N_FRAMES,
+                  S.N_VIDEOS)
+_INSPECT_COUNTS = (S.SKIP_REASON, "length_mismatch") + _COUNT_COLUMNS
 
 
 def image_bytes_per_row(images) -> np.ndarray:
@@ -174,8 +176,8 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
                 files[str(sid)] = str(r)
             if len(examples.setdefault(key, [])) < 5:
                 examples[key].append(sid)
-    arr = {k: np.asarray(cols.get(k, []), dtype=np.int64)[ok] for k in
-           (S.TOKENS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES)}
+    arr = {k: np.asarray(cols.get(k, []), dtype=np.int64)[ok] for k in _COUNT_COLUMNS}
+    with_video = arr[S.N_VIDEOS] > 0
     nbytes = float(np.sum(cols.get("image_bytes", [0])))
     n = len(reasons) - len(files)
     per_source = {}
@@ -200,6 +202,11 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
         "tokens": _percentiles(arr[S.TOKENS]), "text_tokens": _percentiles(arr[S.TEXT_TOKENS]),
         "image_tokens": _percentiles(arr[S.IMAGE_TOKENS]), "patches": _percentiles(arr[S.PATCHES]),
         "images_per_sample": {str(k): int(v) for k, v in zip(*np.unique(arr[S.N_IMAGES], return_counts=True))},
+        **({"samples_with_video": int(with_video.sum()),
+            "video_tokens": _percentiles(arr[S.VIDEO_TOKENS][with_video]),
+            "video_frames": _percentiles(arr[S.N_FRAMES][with_video]),
+            "videos_per_sample": {str(k): int(v) for k, v in zip(*np.unique(arr[S.N_VIDEOS], return_counts=True))}}
+           if with_video.any() else {}),
         "wall_s": wall, "samples_per_s": n / wall if wall else 0.0,
         "image_mb_per_s": nbytes / 2**20 / wall if wall else 0.0,
     }

@@ -112,7 +112,7 @@ def _first_rows(cfg: Config, n: int, fmt: str) -> tuple[list[dict], list[str]]:
     readers' own read units, header reads only, no decode; how the data is read: formats.read_as)."""
     import pyarrow as pa
 
-    from ray_mmbatch.data.measure import fit_batch_to_budget, measure_batch
+    from ray_mmbatch.data.measure import VideoRefused, fit_batch_to_budget, measure_batch
     from ray_mmbatch.data.text.encoder import tokenizer_for
     from ray_mmbatch.formats import read_as
     from ray_mmbatch.formats.units import read_units
@@ -131,9 +131,29 @@ def _first_rows(cfg: Config, n: int, fmt: str) -> tuple[list[dict], list[str]]:
     if not rows:
         return [], lines
     batch = {k: [r[k] for r in rows] for k in rows[0]}
-    measured = fit_batch_to_budget(measure_batch(batch, cfg.image, tokenizer_for(cfg.text), cfg.text), cfg.budget)
+    try:
+        measured = measure_batch(batch, cfg.image, tokenizer_for(cfg.text), cfg.text)
+    except VideoRefused as e:  # a video for a family that takes none: name the family
+        from ray_mmbatch.models import backend_name
+
+        family = checkpoint_family(cfg)
+        raise PreflightError(f"model: {family} ({backend_name(cfg.model)} backend) takes no video: "
+                             f"{_one_line(e)}") from None
+    measured = fit_batch_to_budget(measured, cfg.budget)
     return [{S.SAMPLE_ID: measured[S.SAMPLE_ID][i], S.SKIP_REASON: measured[S.SKIP_REASON][i]}
             for i in range(len(measured[S.SAMPLE_ID]))], lines
+
+
+def checkpoint_family(cfg: Config) -> str:
+    """The model family a run trains, as a person names it: the checkpoint's model_type, or 'the built-in model'."""
+    if not cfg.model.path:
+        return "the built-in model"
+    from ray_mmbatch.models import checkpoint_model_type
+
+    try:
+        return checkpoint_model_type(cfg.model.path)
+    except (OSError, ValueError):
+        return cfg.model.path
 
 
 def _one_line(e: BaseException) -> str:
