@@ -127,9 +127,9 @@ def read_as(fmt: str, units: list[dict], data_cfg) -> list[str]:
         return lines
     if fmt == "llava":
         where = data_cfg.image_root or "the JSON file's folder"
-        return [f"LLaVA JSON: conversations [{{from, value}}] + image paths under {where}"]
+        return [f"LLaVA JSON: conversations [{{from, value}}] + image / video paths under {where}"]
     if fmt == "webdataset":
-        return ["WebDataset shards: KEY.json dialogue (or KEY.txt caption) + KEY.<image ext>"]
+        return ["WebDataset shards: KEY.json dialogue (or KEY.txt caption) + KEY.<image / video ext>"]
     return [fmt]
 
 

@@ -184,7 +184,7 @@ def read_unit(unit: dict, data_cfg) -> list[dict]:
     if unit["error"]:
         return [file_skip_row(unit["rel"], unit["error"])]
     cols = layouts.Columns.from_json(unit["columns"])
-    wanted = [c for c in (cols.text, cols.image, cols.id) if c]
+    wanted = [c for c in (cols.text, cols.image, cols.id, cols.video) if c]
     wanted += [c for c in filters.columns(filters.parse(getattr(data_cfg, "filter", ""))) if c not in wanted]
     last = int(unit["batch"]) + int(unit["batches"]) - 1
     try:

@@ -25,6 +25,14 @@ absent), a list of HF ``Image`` structs {bytes, path} or ONE nullable struct, bi
 binary. A schema whose only image-like column holds URLs (``image_url``, ``url``...) is refused:
 this project reads images, it does not download them.
 
+Video columns: ``data.video_column`` when the config has one (default ``videos``, then ``video``): HF
+``Video`` structs {bytes, path} (or a list of them), binary, or paths (a string or a list of strings, read
+under ``--image-root`` like an Image struct's path). A default-named column of another type is not a
+video column (it is left alone); an explicitly named one that does not fit is an error. A row's media
+are its images then its videos, put in the order of the ``<image>`` / ``<video>`` placeholders of its
+dialogue (records.place_media); a layout that writes the placeholders itself (texts, questions,
+caption) writes ``<video>`` for each video.
+
 The explicit flags (``--text-column``, ``--image-column``) still win; the layout of an explicit
 text column is told from its type. ``Columns.describe`` is the one line ``inspect`` and the run's
 start-up print ("read as: texts [{user, assistant}] + images list<Image>").
@@ -41,14 +49,21 @@ import pyarrow as pa
 from ray_mmbatch import schema
 
 IMAGE = schema.IMAGE_PLACEHOLDER
-DEFAULT_TEXT, DEFAULT_IMAGES = "conversations", "images"
-SINGLE_IMAGE = "image"
+DEFAULT_TEXT, DEFAULT_IMAGES, DEFAULT_VIDEOS = "conversations", "images", "videos"
+SINGLE_IMAGE, SINGLE_VIDEO = "image", "video"
+IMAGE_PARTS, VIDEO_PARTS = ("image", "image_url"), ("video", "video_url")
 URL_COLUMNS = ("image_url", "image_urls", "url", "urls", "URL", "img_url")
 CAPTION_COLUMNS = ("caption", "txt")  # "text" is taken only when named (--text-column text)
 
 
 class LayoutError(ValueError):
     """A row that does not fit its layout; str() is the detail of a malformed_record skip."""
+
+
+def _slots(n_images) -> str:
+    """The placeholders a layout writes for a row's media: ``n_images`` <image>, or (a str) the row's own
+    placeholders in order (records.media_slots: ``<image><video>``)."""
+    return n_images if isinstance(n_images, str) else IMAGE * n_images
 
 
 def _struct_names(t: pa.DataType) -> set[str]:
@@ -99,7 +114,7 @@ class Texts(_ListOfStructs):
     name, shape, fields = "texts", "[{user, assistant}]", frozenset({"user", "assistant"})
 
     @staticmethod
-    def turns(value, caption_prompt: str = "", n_images: int = 0) -> list:
+    def turns(value, caption_prompt: str = "", n_images: int | str = 0) -> list:
         if not isinstance(value, list) or not value:
             raise LayoutError(f"texts is {type(value).__name__ if value is not None else 'null'}, "
                               "not a non-empty list of {user, assistant}")
@@ -111,7 +126,7 @@ class Texts(_ListOfStructs):
             if not isinstance(user, str) or not isinstance(assistant, str):
                 missing = "user" if not isinstance(user, str) else "assistant"
                 raise LayoutError(f"texts[{i}] has no {missing} text")
-            out += [{"from": "human", "value": (IMAGE * n_images if i == 0 else "") + user},
+            out += [{"from": "human", "value": (_slots(n_images) if i == 0 else "") + user},
                     {"from": "gpt", "value": assistant}]
         return out
 
@@ -127,7 +142,7 @@ class Questions:
             _list_value(t.field(n).type) is not None for n in ("question", "answer"))
 
     @staticmethod
-    def turns(value, caption_prompt: str = "", n_images: int = 0) -> list:
+    def turns(value, caption_prompt: str = "", n_images: int | str = 0) -> list:
         if not isinstance(value, dict):
             raise LayoutError(f"questions is {type(value).__name__}, not a struct of question / answer lists")
         qs, ans = value.get("question") or [], value.get("answer") or []
@@ -137,7 +152,7 @@ class Questions:
         for i, (q, a) in enumerate(zip(qs, ans)):
             if not isinstance(q, str) or not isinstance(a, str):
                 raise LayoutError(f"questions entry {i} has a null question or answer")
-            out += [{"from": "human", "value": (IMAGE * n_images if i == 0 else "") + q}, {"from": "gpt", "value": a}]
+            out += [{"from": "human", "value": (_slots(n_images) if i == 0 else "") + q}, {"from": "gpt", "value": a}]
         return out
 
 
@@ -151,7 +166,7 @@ class Caption:
         return _is_string(t)
 
     @staticmethod
-    def turns(value, caption_prompt: str = "", n_images: int = 0) -> list:
+    def turns(value, caption_prompt: str = "", n_images: int | str = 0) -> list:
         if isinstance(value, str) and value.lstrip().startswith("["):
             try:
                 parsed = json.loads(value)
@@ -163,7 +178,7 @@ class Caption:
             raise LayoutError(f"text is {type(value).__name__ if value is not None else 'null'}")
         if not caption_prompt:  # the answer alone: the placeholder rule puts the image(s) in a user turn of their own
             return [{"from": "gpt", "value": value}]
-        return [{"from": "human", "value": IMAGE * n_images + caption_prompt}, {"from": "gpt", "value": value}]
+        return [{"from": "human", "value": _slots(n_images) + caption_prompt}, {"from": "gpt", "value": value}]
 
 
 # Detection order for the default text column: the first column (by these names) whose type fits a layout.
@@ -181,6 +196,8 @@ class Columns:
     image: str = ""
     image_kind: str = ""  # "list<Image>", "Image", "binary", "list<binary>"
     id: str = ""
+    video: str = ""
+    video_kind: str = ""  # "list<Video>", "Video", "binary", "list<binary>", "path", "list<path>"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -193,7 +210,9 @@ class Columns:
     def describe(self) -> str:
         images = f"{self.image} {self.image_kind}" + (" (one per row, nullable)" if self.image_kind == "Image"
                                                       else "") if self.image else "no image column"
-        return f"{self.text} {LAYOUTS[self.layout].shape} + {images}"
+        videos = f" + {self.video} {self.video_kind}" + (" (under --image-root)" if "path" in self.video_kind
+                                                         else "") if self.video else ""
+        return f"{self.text} {LAYOUTS[self.layout].shape} + {images}{videos}"
 
 
 def _image_kind(t: pa.DataType) -> str:
@@ -209,6 +228,37 @@ def _image_kind(t: pa.DataType) -> str:
     if pa.types.is_binary(base) or pa.types.is_large_binary(base) or pa.types.is_null(base):
         return prefix + "binary" + (">" if prefix else "")
     return ""
+
+
+def _video_kind(t: pa.DataType) -> str:
+    """_image_kind's kinds (an HF Video struct {bytes, path}: 'Video'), or 'path' / 'list<path>' for file paths;
+    '' for a type that holds no video."""
+    kind = _image_kind(t)
+    if kind:
+        return kind.replace("Image", "Video")
+    inner = _list_value(t)
+    if _is_string(inner if inner is not None else t):
+        return "list<path>" if inner is not None else "path"
+    return ""
+
+
+def _video_column(arrow_schema: pa.Schema, data_cfg, taken: set) -> tuple[str, str]:
+    """(column, kind) of the videos, or ("", "")."""
+    wanted = getattr(data_cfg, "video_column", DEFAULT_VIDEOS)
+    if wanted and wanted != DEFAULT_VIDEOS:  # named: it must fit
+        if wanted not in arrow_schema.names or wanted in taken:
+            return "", ""
+        kind = _video_kind(arrow_schema.field(wanted).type)
+        if not kind:
+            raise LayoutError(f"video column {wanted!r} is {arrow_schema.field(wanted).type}, not binary, "
+                              "struct<bytes, path>, a path string or a list of them")
+        return wanted, kind
+    for column in (DEFAULT_VIDEOS, SINGLE_VIDEO) if wanted else ():
+        if column in arrow_schema.names and column not in taken:
+            kind = _video_kind(arrow_schema.field(column).type)
+            if kind:
+                return column, kind
+    return "", ""
 
 
 def _text_layout(arrow_schema: pa.Schema, wanted: str) -> tuple[str, str]:
@@ -248,7 +298,8 @@ def choose(arrow_schema: pa.Schema, data_cfg) -> Columns:
                                   "struct<bytes, path> or a list of them")
             image = column
             break
-    if not image and wanted:
+    video, video_kind = _video_column(arrow_schema, data_cfg, {text, image})
+    if not image and not video and wanted:
         urls = [c for c in names if c in URL_COLUMNS or c.endswith("_url") or c.endswith("_urls")]
         if urls:
             raise LayoutError(f"column {urls[0]!r} holds image URLs and there is no image column: ray_mmbatch reads "
@@ -256,25 +307,27 @@ def choose(arrow_schema: pa.Schema, data_cfg) -> Columns:
                               f"--url_col {urls[0]} --output_format webdataset) and point --data at the shards; "
                               "or --image-column '' to train the text alone")
     ident = data_cfg.id_column if data_cfg.id_column in names else ""
-    return Columns(layout, text, image, kind, ident)
+    return Columns(layout, text, image, kind, ident, video, video_kind)
 
 
-def image_order(value) -> list[int] | None:
+def image_order(value, types: tuple[str, ...] = IMAGE_PARTS) -> list[int] | None:
     """For HF messages whose image parts carry an ``index``: the image indices in the order the parts appear
-    (the images are attached in that order); None when no part has an index."""
+    (the images are attached in that order); None when no part has an index. ``types``: the part types
+    counted (VIDEO_PARTS: the video indices)."""
     if not isinstance(value, list):
         return None
     order = []
     for turn in value:
         content = turn.get("content") if isinstance(turn, dict) else None
         for part in content if isinstance(content, list) else []:
-            if isinstance(part, dict) and part.get("type") in ("image", "image_url") and part.get("index") is not None:
+            if isinstance(part, dict) and part.get("type") in types and part.get("index") is not None:
                 order.append(part["index"])
     return order or None
 
 
-def row_turns(cols: Columns, value, n_images: int, caption_prompt: str = ""):
-    """The turns of one row's dialogue cell (raises LayoutError)."""
+def row_turns(cols: Columns, value, n_images: int | str, caption_prompt: str = ""):
+    """The turns of one row's dialogue cell (raises LayoutError); ``n_images``: the number of images, or the
+    row's media placeholders in order (_slots)."""
     layout = LAYOUTS[cols.layout]
     if layout in (Conversations, Messages):
         return layout.turns(value)

@@ -1,11 +1,15 @@
 """LLaVA JSON: one ``.json`` list (or ``.jsonl``, one record a line) of records + an image folder.
 
-Record: {"id"?, "image": "rel/path.jpg" | [...] (or "images"), "conversations" | "messages"}
-(conversations may also be a JSON string). The driver streams the file once
-(formats/json_stream.py: blocks of 16 MB, never the whole file in memory) and lists read units of
-CHUNK records, each a byte range of the file (offset, length) with its first record index and
-record count; a worker seeks to its range, reads and parses only that. A JSON list that breaks off
-(truncated, a bad record, data after the closing ``]``) keeps every record before the break and
+Record: {"id"?, "image": "rel/path.jpg" | [...] (or "images"), "video": "rel/clip.mp4" | [...] (or "videos",
+LLaVA-Video-178K), "conversations" | "messages"} (conversations may also be a JSON string). A video file is
+read like an image file (same root rules, checks and refs) and its bytes are one more media item; a record
+holding both kinds has its media in the order of the ``<image>`` / ``<video>`` placeholders of its human
+turns (records.place_media: images fill the ``<image>`` slots, videos the ``<video>`` ones; a record with a
+video and no placeholder gets them, first in the first human turn). Records of images only are unchanged.
+The driver streams the file once (formats/json_stream.py: blocks of 16 MB, never the whole file in
+memory) and lists read units of CHUNK records, each a byte range of the file (offset, length) with its
+first record index and record count; a worker seeks to its range, reads and parses only that. A JSON
+list that breaks off (truncated, a bad record, data after the closing ``]``) keeps every record before the break and
 ends in one skipped row ``<file>:unreadable-tail`` (malformed_record, naming the byte). A JSON Lines
 file named ``.json`` is refused at start with the right extension named, as is a top level that is
 not a list; a ``.jsonl`` line that is not JSON is kept as a malformed_record row; blank lines are
@@ -35,7 +39,17 @@ import posixpath
 
 from ray_mmbatch import schema
 from ray_mmbatch.formats import archives, fs, json_stream
-from ray_mmbatch.formats.records import conversations_to_json, error, raw_row, safe_text, sample_id
+from ray_mmbatch.formats.records import (
+    IMAGE,
+    VIDEO,
+    conversations_to_json,
+    error,
+    place_media,
+    raw_row,
+    reorder,
+    safe_text,
+    sample_id,
+)
 
 EXTS = (".json", ".jsonl")
 INDEX_NAMES = ("data.json", "data.jsonl")
@@ -130,12 +144,12 @@ def resolve_image_path(ref, image_root: str) -> tuple[str | None, str]:
     return location, err
 
 
-def _locate(ref, image_root: str) -> tuple[str | None, str, bool]:
+def _locate(ref, image_root: str, what: str = IMAGE) -> tuple[str | None, str, bool]:
     """resolve_image_path's (location, read_error) and whether nothing at all is at that path."""
     if not isinstance(ref, str) or not ref:
-        return None, error(schema.SKIP_MALFORMED_RECORD, f"image path {ref!r} is not a non-empty string"), False
+        return None, error(schema.SKIP_MALFORMED_RECORD, f"{what} path {ref!r} is not a non-empty string"), False
     if "\x00" in ref:
-        return None, error(schema.SKIP_MALFORMED_RECORD, f"image path {safe_text(ref)!r} holds a NUL"), False
+        return None, error(schema.SKIP_MALFORMED_RECORD, f"{what} path {safe_text(ref)!r} holds a NUL"), False
     if fs.is_uri(image_root):
         norm = posixpath.normpath(ref)
         if ref.startswith("/") or "://" in ref or norm == ".." or norm.startswith("../"):
@@ -156,9 +170,9 @@ def _locate(ref, image_root: str) -> tuple[str | None, str, bool]:
     return location, "", False
 
 
-def _image_bytes(ref, image_root: str, max_bytes: int) -> tuple[bytes, str]:
-    """(bytes, "") of an image path: a file under the root, else a member of an archive there."""
-    location, err, missing = _locate(ref, image_root)
+def _image_bytes(ref, image_root: str, max_bytes: int, what: str = IMAGE) -> tuple[bytes, str]:
+    """(bytes, "") of an image (or video) path: a file under the root, else a member of an archive there."""
+    location, err, missing = _locate(ref, image_root, what)
     if location is not None:
         return _read_image(location, ref, max_bytes)
     if missing:  # perhaps packed: A/x.jpg in A.zip (or named in A.tar.gz's skip)
@@ -179,22 +193,34 @@ def _read_image(location: str, ref: str, max_bytes: int) -> tuple[bytes, str]:
         return b"", error(schema.SKIP_MISSING_FILE, f"{ref}: {exc.strerror or exc}")
 
 
+def _media_field(record: dict, names: tuple[str, str]) -> tuple[list, str]:
+    """(refs, "") of a record's image / video field (a path or a list of them), or ([], read_error)."""
+    field = record.get(names[0], record.get(names[1]))
+    refs = [] if field is None else [field] if isinstance(field, str) else field
+    if not isinstance(refs, list):
+        return [], error(schema.SKIP_MALFORMED_RECORD, f"{names[0]} field is {type(field).__name__}")
+    return refs, ""
+
+
 def llava_row(record, image_root: str, sid: str, max_bytes: int = 0, max_chars: int = 0) -> dict:
     if not isinstance(record, dict):
         return raw_row(sid, read_error=error(schema.SKIP_MALFORMED_RECORD,
                                              f"record is {type(record).__name__}, not an object"))
     conv, err = conversations_to_json(record.get("conversations", record.get("messages")), max_chars)
-    field = record.get("image", record.get("images"))
-    refs = [] if field is None else [field] if isinstance(field, str) else field
-    if not isinstance(refs, list):
-        return raw_row(sid, conv,
-                       read_error=error(schema.SKIP_MALFORMED_RECORD, f"image field is {type(field).__name__}"))
+    images, field_err = _media_field(record, ("image", "images"))
+    videos, video_err = _media_field(record, ("video", "videos"))
+    if field_err or video_err:
+        return raw_row(sid, conv, read_error=field_err or video_err)
+    refs, kinds = images + videos, [IMAGE] * len(images) + [VIDEO] * len(videos)
+    if not err:
+        conv, order = place_media(conv, kinds)
+        refs, kinds = reorder(refs, order), reorder(kinds, order)
     ref_strs = [safe_text(r) for r in refs]
     if err:
         return raw_row(sid, conv, image_refs=ref_strs, read_error=err)
     blobs = []
-    for ref in refs:
-        data, err = _image_bytes(ref, image_root, max_bytes)
+    for ref, kind in zip(refs, kinds):
+        data, err = _image_bytes(ref, image_root, max_bytes, kind)
         if err:
             return raw_row(sid, conv, image_refs=ref_strs, read_error=err)
         blobs.append(data)

@@ -11,7 +11,9 @@ dialogue (LLaVA conversations, HF messages, Cauldron texts, PixMo questions, a c
 the images (``images`` list<Image>, one nullable ``image`` struct, binary); ``--text-column`` /
 ``--image-column`` override. A file that fits no layout is one skipped-file unit naming why; a
 schema whose images are only URLs is refused. An Image struct with null bytes and a path
-(``Dataset.to_parquet`` of local files) is read from the path under ``--image-root``.
+(``Dataset.to_parquet`` of local files) is read from the path under ``--image-root``. A video column
+(``videos`` / ``video`` by default: HF ``Video`` structs, binary or paths, layouts.py) adds each row's
+videos to its media, all in the order of the row's ``<image>`` / ``<video>`` placeholders.
 ``--filter`` (formats/filters.py) is evaluated on its scalar columns at listing (each unit's
 row count is what it keeps) and again at read; filtered rows are counted, never read further.
 
@@ -31,10 +33,15 @@ import pyarrow.parquet as pq
 from ray_mmbatch import schema
 from ray_mmbatch.formats import filters, fs, layouts
 from ray_mmbatch.formats.records import (
+    IMAGE,
+    VIDEO,
     conversations_to_json,
     error,
     file_skip_row,
+    media_slots,
+    place_media,
     raw_row,
+    reorder,
     rows_to_table,
     sample_id,
 )
@@ -129,14 +136,15 @@ def _image_items(value) -> list:
     return value if isinstance(value, list) else [value]
 
 
-def _image_from_path(ref: str, image_root: str, max_bytes: int) -> tuple[bytes, str]:
-    """An Image struct with null bytes and a path (``Dataset.to_parquet`` of local files): read from the path
-    when it lies under --image-root (absolute, or relative to it); nothing outside the root is opened."""
+def _image_from_path(ref: str, image_root: str, max_bytes: int, what: str = IMAGE) -> tuple[bytes, str]:
+    """An Image struct with null bytes and a path (``Dataset.to_parquet`` of local files), or a video path:
+    read from the path when it lies under --image-root (absolute, or relative to it); nothing outside the
+    root is opened."""
     from ray_mmbatch.formats.llava import _read_image as read_image_file
     from ray_mmbatch.formats.llava import resolve_image_path
 
     if not image_root:
-        return b"", error(schema.SKIP_MISSING_FILE, f"image {ref!r} has no bytes; set --image-root to the folder "
+        return b"", error(schema.SKIP_MISSING_FILE, f"{what} {ref!r} has no bytes; set --image-root to the folder "
                                                     "that holds its path to read it from there")
     if not fs.is_uri(image_root) and os.path.isabs(ref):
         root = os.path.realpath(fs.local_path(image_root))
@@ -147,28 +155,31 @@ def _image_from_path(ref: str, image_root: str, max_bytes: int) -> tuple[bytes, 
     return (b"", err) if err else read_image_file(location, ref, max_bytes)
 
 
-def _row_images(cell, sid: str, order, image_root: str, max_bytes: int) -> tuple[list[bytes], list[str], str]:
-    """(bytes, refs, read_error) of one row's image cell; ``order``: the images in the order the dialogue
-    names them (HF messages parts with an index), None = as stored."""
+def _row_images(cell, sid: str, order, image_root: str, max_bytes: int,
+                what: str = IMAGE) -> tuple[list[bytes], list[str], str]:
+    """(bytes, refs, read_error) of one row's image (``what`` = VIDEO: video) cell; ``order``: the items in the
+    order the dialogue names them (HF messages parts with an index), None = as stored. A string item (a video
+    column of paths) is a path."""
     items = _image_items(cell)
     if order is not None:
         if sorted(order) != list(range(len(items))):
-            return [], [], error(schema.SKIP_PLACEHOLDER_MISMATCH, f"image parts name indices {order} of "
-                                                                   f"{len(items)} images")
+            return [], [], error(schema.SKIP_PLACEHOLDER_MISMATCH, f"{what} parts name indices {order} of "
+                                                                   f"{len(items)} {what}s")
         items = [items[k] for k in order]
     blobs, refs, err = [], [], ""
     for k, item in enumerate(items):
-        data, path = (item.get("bytes"), item.get("path")) if isinstance(item, dict) else (item, None)
-        ref = path or f"{sid}#{k}"
+        data, path = (item.get("bytes"), item.get("path")) if isinstance(item, dict) else \
+            (None, item) if isinstance(item, str) else (item, None)
+        ref = path or (f"{sid}#{k}" if what == IMAGE else f"{sid}#{what}{k}")
         refs.append(ref)
         if err:
             continue
         if item is None:
-            err = error(schema.SKIP_MISSING_FILE, f"image {k} of the row's list is null")
+            err = error(schema.SKIP_MISSING_FILE, f"{what} {k} of the row's list is null")
         elif data is None and path:
-            data, err = _image_from_path(path, image_root, max_bytes)
+            data, err = _image_from_path(path, image_root, max_bytes, what)
         elif data is None:
-            err = error(schema.SKIP_MISSING_FILE, f"image {k} ({ref}) has no bytes and no path")
+            err = error(schema.SKIP_MISSING_FILE, f"{what} {k} ({ref}) has no bytes and no path")
         blobs.append(data or b"")
     return blobs, refs, err
 
@@ -182,6 +193,7 @@ def rows_of_table(table: pa.Table, rel: str, row_offset: int, cols, data_cfg, ke
     rows_idx = range(n) if keep is None else [int(i) for i in keep]
     texts = table.column(cols.text).to_pylist()
     images = table.column(cols.image).to_pylist() if cols.image else [None] * n
+    videos = table.column(cols.video).to_pylist() if cols.video else [None] * n
     ids = table.column(cols.id).to_pylist() if cols.id else [None] * n
     max_chars = getattr(data_cfg, "max_text_chars", 0)
     prompt = getattr(data_cfg, "caption_prompt", "")
@@ -190,14 +202,24 @@ def rows_of_table(table: pa.Table, rel: str, row_offset: int, cols, data_cfg, ke
     rows = []
     for i in rows_idx:
         sid = sample_id(f"{rel}:{row_offset + i}", ids[i])
-        order = layouts.image_order(texts[i]) if cols.layout == "messages" else None
+        messages = cols.layout == "messages"
+        order = layouts.image_order(texts[i]) if messages else None
         blobs, refs, img_err = _row_images(images[i], sid, order, image_root, max_bytes)
+        kinds = [IMAGE] * len(refs)
+        if videos[i] is not None:
+            order = layouts.image_order(texts[i], layouts.VIDEO_PARTS) if messages else None
+            v_blobs, v_refs, video_err = _row_images(videos[i], sid, order, image_root, max_bytes, VIDEO)
+            blobs, refs, kinds, img_err = blobs + v_blobs, refs + v_refs, kinds + [VIDEO] * len(v_refs), \
+                img_err or video_err
         try:
-            turns = layouts.row_turns(cols, texts[i], len(refs), prompt)
+            turns = layouts.row_turns(cols, texts[i], media_slots(kinds) if VIDEO in kinds else len(refs), prompt)
         except layouts.LayoutError as exc:
             conv, err = "[]", error(schema.SKIP_MALFORMED_RECORD, str(exc))
         else:
             conv, err = conversations_to_json(turns, max_chars)
+        if not err:
+            conv, order = place_media(conv, kinds)
+            refs, blobs = reorder(refs, order), (reorder(blobs, order) if len(blobs) == len(order) else blobs)
         err = err or img_err
         rows.append(raw_row(sid, conv, [] if err else blobs, refs, err))
     return rows
@@ -208,7 +230,7 @@ def read_unit(unit: dict, data_cfg) -> list[dict]:
     if unit["error"]:
         return [file_skip_row(unit["rel"], unit["error"])]
     cols = layouts.Columns.from_json(unit["columns"])
-    wanted = [c for c in (cols.text, cols.image, cols.id) if c]
+    wanted = [c for c in (cols.text, cols.image, cols.id, cols.video) if c]
     clauses = filters.parse(getattr(data_cfg, "filter", ""))
     try:
         with fs.open_random_access(unit["path"]) as f:

@@ -11,8 +11,18 @@ Conversations are normalized to a list of {"from": "system"|"human"|"gpt", "valu
 
     LLaVA / ShareGPT   [{"from": "human", "value": "<image>\\nWhat?"}, {"from": "gpt", ...}]
     HF / TRL messages  [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
-                       (an image part is an <image> placeholder; content may be a plain string)
+                       (an image part is an <image> placeholder, a video part a <video> one; content may be
+                       a plain string)
     a JSON string of either of these
+
+Media (schema.IMAGES) may hold videos beside images (mp4 / webm / mkv ... containers), one item per
+``<image>`` / ``<video>`` placeholder, in the order of the placeholders in the human turns.
+``place_media`` orders a row's media that way when it holds a video: a ``<video>`` takes the next
+video, an ``<image>`` the next image, the items left over follow (so an ``<image>`` past the images
+stands for the next video: LLaVA-NeXT exports write ``<image>`` for a video, and the measure stage
+accepts it). A row with a video and no placeholder at all gets its placeholders at read time, where
+the placeholder rule (data/text/conversations.py) would put the images: first in the first human turn,
+one per item, ``<video>`` for a video. Rows of images only are left exactly as they were.
 
 Roles are matched case-insensitively by schema.canonical_role (Human, GPT, USER work).
 Values are re-encoded as UTF-8 JSON, except when one holds a lone surrogate: then the JSON
@@ -24,6 +34,7 @@ Pure module: pyarrow, no ray.
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow as pa
 
@@ -35,6 +46,12 @@ RAW_ARROW_SCHEMA = pa.schema([
     (schema.READ_ERROR, pa.string()),
 ])
 IMAGE_PART_TYPES = frozenset({"image", "image_url"})
+VIDEO_PART_TYPES = frozenset({"video", "video_url"})
+IMAGE, VIDEO = "image", "video"  # a media item's kind (place_media)
+PLACEHOLDERS = {IMAGE: schema.IMAGE_PLACEHOLDER, VIDEO: schema.VIDEO_PLACEHOLDER}
+# file name endings of video containers (WebDataset members; the bytes are told apart again by data/video.is_video)
+VIDEO_EXTS = frozenset({"mp4", "m4v", "webm", "mkv", "mov", "avi"})
+_SLOT = re.compile(f"{re.escape(schema.IMAGE_PLACEHOLDER)}|{re.escape(schema.VIDEO_PLACEHOLDER)}")
 
 
 def safe_text(value) -> str:
@@ -92,10 +109,12 @@ def _content_text(content, i: int) -> tuple[str | None, str]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in IMAGE_PART_TYPES:
             out.append(schema.IMAGE_PLACEHOLDER)
+        elif kind in VIDEO_PART_TYPES:
+            out.append(schema.VIDEO_PLACEHOLDER)
         elif kind == "text" and isinstance(part.get("text"), str):
             out.append(part["text"])
         else:
-            return None, f"turn {i} part {k} is not a text or image part"
+            return None, f"turn {i} part {k} is not a text, image or video part"
     return "".join(out), ""
 
 
@@ -130,12 +149,68 @@ def conversations_to_json(value, max_chars: int = 0) -> tuple[str, str]:
             break
         budget -= len(text)
         turns.append({"from": role, "value": text})
+    return _dumps(turns), ""
+
+
+def _dumps(turns: list) -> str:
     out = json.dumps(turns, ensure_ascii=False)
     try:
         out.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogate: keep it, escaped, for the measure stage to report
         out = json.dumps(turns, ensure_ascii=True)
-    return out, ""
+    return out
+
+
+def media_slots(kinds) -> str:
+    """The placeholders of media items of these kinds, in order: ``<image><image><video>``."""
+    return "".join(PLACEHOLDERS[k] for k in kinds)
+
+
+def media_order(texts: list[str], kinds: list[str]) -> list[int]:
+    """The media items (their kinds in stored order) in the order the placeholders of ``texts`` (the human
+    turns) name them: a ``<video>`` takes the next video, an ``<image>`` the next image; the items left over
+    follow in stored order (so, once the images are used up, an ``<image>`` stands for the next video, as
+    LLaVA-NeXT exports write it; a count mismatch is the measure stage's to report)."""
+    queues = {kind: [k for k, x in enumerate(kinds) if x == kind] for kind in (IMAGE, VIDEO)}
+    order: list[int] = []
+    for slot in _SLOT.findall("".join(texts)):
+        queue = queues[VIDEO if slot == schema.VIDEO_PLACEHOLDER else IMAGE]
+        if queue:
+            order.append(queue.pop(0))
+    taken = set(order)
+    return order + [k for k in range(len(kinds)) if k not in taken]
+
+
+def place_media(conversations: str, kinds: list[str]) -> tuple[str, list[int]]:
+    """(conversations JSON, order of the media) for a row whose media are of ``kinds`` (IMAGE / VIDEO, in
+    stored order): the media in placeholder order (media_order); a row with a video and no placeholder at
+    all gets one per item, first in the first human turn (a human turn of its own, after any system turn,
+    when there is none), as the placeholder rule places images. Rows without a video: unchanged."""
+    identity = list(range(len(kinds)))
+    if VIDEO not in kinds:
+        return conversations, identity
+    try:
+        turns = json.loads(conversations)
+    except ValueError:
+        return conversations, identity
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        return conversations, identity
+    human = [t.get("value") for t in turns if t.get("from") == "human" and isinstance(t.get("value"), str)]
+    if any(_SLOT.search(text) for text in human):
+        return conversations, media_order(human, kinds)
+    slots = media_slots(kinds)
+    first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+    if first is None:
+        at = next((i for i, t in enumerate(turns) if t.get("from") != "system"), len(turns))
+        turns.insert(at, {"from": "human", "value": slots})
+    else:
+        value = turns[first].get("value")
+        turns[first] = dict(turns[first], value=slots + "\n" + (value if isinstance(value, str) else ""))
+    return _dumps(turns), identity
+
+
+def reorder(items: list, order: list[int]) -> list:
+    return [items[k] for k in order]
 
 
 def text_to_json(text, max_chars: int = 0) -> tuple[str, str]:

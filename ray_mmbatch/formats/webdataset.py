@@ -1,5 +1,5 @@
 """WebDataset: tar shards (``.tar``, ``.tar.gz``, ``.tgz``) of ``KEY.json`` / ``KEY.txt`` + ``KEY.jpg``,
-``KEY.1.png`` ...
+``KEY.1.png`` ... and videos ``KEY.mp4`` / ``.webm`` / ``.mkv`` / ``.mov`` / ``.avi`` (records.VIDEO_EXTS).
 
 Read unit: one shard, streamed (``tarfile`` "r|*" over the filesystem's input stream: a
 shard is never held whole, a gzip one is inflated as it goes). Members are grouped by
@@ -7,6 +7,9 @@ key; extra images ``KEY.<n>.<ext>`` follow ``KEY.<ext>`` in numeric order of n. 
 record ``KEY.json`` is {"conversations" | "messages", "id"?} or {"text" | "caption"};
 ``KEY.txt`` is a caption. A caption (``KEY.txt``, a JSON text / caption) is a captioning sample:
 the image(s) and ``--caption-prompt`` in the user turn, the caption the answer (layouts.Caption).
+A video member is one media item like an image: ``<video>`` is its placeholder where an image gets
+``<image>``; a sample holding a video has its media in the order of its ``<image>`` / ``<video>``
+placeholders (records.place_media; a caption with no prompt gets a user turn of its placeholders).
 
 img2dataset shards (``00000.tar`` beside ``00000.parquet`` and ``00000_stats.json``, which are
 bookkeeping): ``KEY.jpg`` / ``.png`` / ``.webp``, ``KEY.txt`` the caption, ``KEY.json`` the
@@ -37,10 +40,16 @@ import zlib
 from ray_mmbatch import schema
 from ray_mmbatch.formats import fs, layouts
 from ray_mmbatch.formats.records import (
+    IMAGE,
+    VIDEO,
+    VIDEO_EXTS,
     conversations_to_json,
     error,
     file_skip_row,
+    media_slots,
+    place_media,
     raw_row,
+    reorder,
     safe_text,
     sample_id,
 )
@@ -116,23 +125,24 @@ def is_download_metadata(rec: dict) -> bool:
         len(DOWNLOAD_KEYS.intersection(rec)) + ("url" in rec) >= 2
 
 
-def _caption(text, n_images: int, prompt: str, max_chars: int, where: str) -> tuple[str, str]:
-    """A caption as a captioning sample (layouts.Caption: the prompt and the images asked, the caption answered)."""
+def _caption(text, media, prompt: str, max_chars: int, where: str) -> tuple[str, str]:
+    """A caption as a captioning sample (layouts.Caption: the prompt and the media asked, the caption answered);
+    ``media``: the number of images, or the media items' kinds (records.IMAGE / VIDEO)."""
     try:
-        turns = layouts.Caption.turns(text, prompt, n_images)
+        turns = layouts.Caption.turns(text, prompt, media if isinstance(media, int) else media_slots(media))
     except layouts.LayoutError as exc:
         return "[]", error(schema.SKIP_MALFORMED_RECORD, f"{where}: {exc}")
     return conversations_to_json(turns, max_chars)
 
 
-def _record_conversation(rec: dict, n_images: int, prompt: str, max_chars: int, key: str) -> tuple[str, str]:
+def _record_conversation(rec: dict, n_images, prompt: str, max_chars: int, key: str) -> tuple[str, str]:
     for field in ("conversations", "messages"):
         if field in rec:
             return conversations_to_json(rec[field], max_chars)
     return _caption(rec.get("text", rec.get("caption")), n_images, prompt, max_chars, f"{key}.json text / caption")
 
 
-def _txt_caption(member, n_images: int, prompt: str, max_chars: int, key: str) -> tuple[str, str]:
+def _txt_caption(member, n_images, prompt: str, max_chars: int, key: str) -> tuple[str, str]:
     try:
         text = member[3].decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -148,6 +158,8 @@ def _row(rel: str, key: str, members: list, problem: str, max_chars: int, prompt
                     key=lambda m: (m[0], m[1]))
     refs = [f"{rel}/{m[2]}" for m in images]
     blobs = [m[3] for m in images]
+    kinds = [VIDEO if m[1] in VIDEO_EXTS else IMAGE for m in images]
+    media = kinds if VIDEO in kinds else len(blobs)  # images only: as ever
     sid, conv, err = sample_id(where), "[]", ""
     if record:
         try:
@@ -161,20 +173,23 @@ def _row(rel: str, key: str, members: list, problem: str, max_chars: int, prompt
                 uid = rec.get("id")
                 sid = sample_id(where, None if str(uid) == key else uid)
                 if not is_download_metadata(rec):
-                    conv, err = _record_conversation(rec, len(blobs), prompt, max_chars, key)
+                    conv, err = _record_conversation(rec, media, prompt, max_chars, key)
                 elif text:
-                    conv, err = _txt_caption(text[0], len(blobs), prompt, max_chars, key)
+                    conv, err = _txt_caption(text[0], media, prompt, max_chars, key)
                 elif isinstance(rec.get("caption"), str):
-                    conv, err = _caption(rec["caption"], len(blobs), prompt, max_chars, f"{key}.json caption")
+                    conv, err = _caption(rec["caption"], media, prompt, max_chars, f"{key}.json caption")
                 else:
                     err = error(schema.SKIP_MALFORMED_RECORD, f"no caption: {key}.json is download metadata "
                                 "(img2dataset's url / status / sha256, not a dialogue) and there is no "
                                 f"{key}.txt (img2dataset writes one when given --caption_col)")
     elif text:
-        conv, err = _txt_caption(text[0], len(blobs), prompt, max_chars, key)
+        conv, err = _txt_caption(text[0], media, prompt, max_chars, key)
     elif not problem:
         err = error(schema.SKIP_MALFORMED_RECORD, f"no {key}.json or {key}.txt")
     err = problem or err
+    if not err:
+        conv, order = place_media(conv, kinds)
+        refs, blobs = reorder(refs, order), reorder(blobs, order)
     return raw_row(sid, conv, [] if err else blobs, refs, err)
 
 
