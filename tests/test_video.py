@@ -395,3 +395,15 @@ def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budge
     assert sorted(s.split("#")[-1] for s in trained) == sorted(f"r{k}" for k in range(24))
     assert len(trained) == len(set(trained))
     assert batches > sum(frames.values()) // cfg.budget.max_frames  # the frame budget split the clips
+
+
+def test_preflight_names_the_family_that_takes_no_video(clips, tmp_path):
+    from ray_mmbatch.run.preflight import PreflightError, preflight
+
+    (tmp_path / "clip.mp4").write_bytes(clips.data["vfr"])
+    (tmp_path / "data.json").write_text(json.dumps([{"id": "v", "video": "clip.mp4", "conversations": [
+        {"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A square moves."}]}]))
+    cfg = Config()
+    cfg.data.path = str(tmp_path / "data.json")
+    with pytest.raises(PreflightError, match=r"the built-in model \(builtin backend\) takes no video.*clip.mp4"):
+        preflight(cfg)
