@@ -17,13 +17,15 @@ from ray_mmbatch.batching import ALGORITHMS, Budget, OversizeError, plan_stats_a
 from ray_mmbatch.batching.carry import DEFAULT_CARRY, CarryPlanner, resolve_carry
 
 
-def run_stream(tokens, patches, images, budget, windows, carry, algorithm="", max_age=8, end=True):
-    """Feed ``windows`` (sizes) through a fresh planner; return (batches, held sizes, planner)."""
+def run_stream(tokens, patches, images, budget, windows, carry, algorithm="", max_age=8, end=True, frames=None):
+    """Feed ``windows`` (sizes) through a fresh planner; return (batches, held sizes, planner).
+    ``frames`` None: fed without a frames array (the call of before the frames budget)."""
     planner = CarryPlanner(budget, algorithm, carry, max_age=max_age)
     out, held, times_held, s = [], [], {}, 0
     for w in windows:
         sl = slice(s, s + w)
-        out += planner.feed(list(range(s, s + w)), tokens[sl], patches[sl], images[sl], seed=s)
+        extra = {} if frames is None else {"frames": frames[sl]}
+        out += planner.feed(list(range(s, s + w)), tokens[sl], patches[sl], images[sl], seed=s, **extra)
         held.append(len(planner.held))
         assert len(planner.held) <= int(planner.carry * w), "carry above its cap"
         for i in planner.held:
@@ -38,13 +40,13 @@ def run_stream(tokens, patches, images, budget, windows, carry, algorithm="", ma
 
 @st.composite
 def streams(draw):
-    tokens, patches, images = draw(costs())
+    tokens, patches, images, frames = draw(costs())
     cuts, left = [], len(tokens)
     while left:
         w = draw(st.integers(1, max(1, left)))
         cuts.append(w)
         left -= w
-    return tokens, patches, images, cuts
+    return tokens, patches, images, frames, cuts
 
 
 @pytest.mark.parametrize("mode", ["pack", "pad"])
@@ -52,21 +54,27 @@ def streams(draw):
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_carry_stream_keeps_every_invariant(algorithm, mode, data):
-    tokens, patches, images, windows = data.draw(streams())
+    tokens, patches, images, frames, windows = data.draw(streams())
     budget = data.draw(budgets(mode))
     carry = data.draw(st.sampled_from([None, 0.0, 0.3, 1.0]))
     max_age = data.draw(st.integers(1, 3))
-    if any(budget.violations([tokens[i]], [patches[i]], [images[i]]) for i in range(len(tokens))):
+    if not data.draw(st.booleans()):
+        frames = None  # fed the old way: no frames at all
+    f = np.zeros(len(tokens), np.int64) if frames is None else frames
+    args = (tokens, patches, images, budget, windows, carry, algorithm, max_age)
+    if any(budget.violations([tokens[i]], [patches[i]], [images[i]], [f[i]]) for i in range(len(tokens))):
         with pytest.raises(OversizeError):
-            run_stream(tokens, patches, images, budget, windows, carry, algorithm, max_age)
+            run_stream(*args, frames=frames)
         return
-    out, _, _ = run_stream(tokens, patches, images, budget, windows, carry, algorithm, max_age)
+    out, _, _ = run_stream(*args, frames=frames)
     flat = [i for b in out for i in b]
     assert sorted(flat) == list(range(len(tokens))), "every item exactly once"
     for b in out:
         assert b, "no empty batch"
-        assert budget.violations(tokens[b], patches[b], images[b]) == [], (b, budget)
-    again, _, _ = run_stream(tokens, patches, images, budget, windows, carry, algorithm, max_age)
+        assert budget.violations(tokens[b], patches[b], images[b], f[b]) == [], (b, budget)
+        if budget.max_frames is not None:
+            assert int(f[b].sum()) <= budget.max_frames, (b, budget)
+    again, _, _ = run_stream(*args, frames=frames)
     assert again == out, "same stream -> same batches"
 
 
@@ -106,6 +114,21 @@ def test_an_oversize_item_leaves_the_carry_untouched():
         planner.feed(["b", "c"], [3, 11])
     assert planner.held == ["a"]
     assert sorted(map(sorted, planner.flush())) == [["a"]]
+
+
+def test_frames_bind_the_carry_plan_and_an_oversize_clip_raises():
+    # 8 clips of 16 frames and 10 tokens: one batch by tokens, 4 by max_frames=32 (two clips each)
+    tokens, frames = np.full(8, 10, np.int64), np.full(8, 16, np.int64)
+    budget = Budget(1000, "pack", max_frames=32)
+    out, _, planner = run_stream(tokens, tokens * 0, tokens * 0, budget, [3, 5], carry=1.0, frames=frames)
+    assert sorted(i for b in out for i in b) == list(range(8))
+    assert len(out) == 4 and all(int(frames[b].sum()) <= 32 for b in out)
+    # a batch of two clips uses its whole frame budget: quality 1.0, never held back
+    planner = CarryPlanner(budget, carry=1.0)
+    assert len(planner.feed(["a", "b"], [10, 10], frames=[16, 16])) == 1 and planner.held == []
+    with pytest.raises(OversizeError, match="frames 33 > 32"):
+        planner.feed(["c", "d"], [10, 10], frames=[4, 33])
+    assert planner.held == []
 
 
 def test_carry_setting_is_validated_and_defaults_by_mode():

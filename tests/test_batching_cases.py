@@ -64,12 +64,17 @@ def test_side_limits_split_batches():
     assert len(plan_set([1] * 4, b, "", patches=60)) == 4
     b = Budget(1000, "pad", max_samples=3)
     assert len(plan_set([5] * 7, b, "")) == 3
+    b = Budget(1000, "pack", max_frames=32)
+    assert plan_set([1, 1, 1], b, "", frames=16) == {(0, 1), (2,)}
+    assert plan_set([1, 1, 1], Budget(1000, "pack"), "", frames=16) == {(0, 1, 2)}
 
 
 @pytest.mark.parametrize("cost,budget,why", [
     (SampleCost(11), Budget(10), "tokens cost 11 > 10"),
     (SampleCost(5, patches=300), Budget(10, max_patches=256), "patches 300 > 256"),
     (SampleCost(5, images=3), Budget(10, "pad", max_images=2), "images 3 > 2"),
+    (SampleCost(5, frames=65), Budget(10, "pad", max_frames=64), "frames 65 > 64"),
+    (SampleCost(5, images=1, frames=65), Budget(10, max_images=1, max_frames=64), "frames 65 > 64"),
     (SampleCost(10), Budget(10, attn_weight=0.01), "tokens cost 11.0 > 10"),
 ])
 def test_oversize_sample_is_named_not_dropped(cost, budget, why):
@@ -84,6 +89,7 @@ def test_oversize_sample_is_named_not_dropped(cost, budget, why):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=10, mode="packed"), "mode"),
     (dict(max_tokens=10, max_images=0), "max_images"),
+    (dict(max_tokens=10, max_frames=0), "max_frames"), (dict(max_tokens=10, max_frames=2.5), "max_frames"),
     (dict(max_tokens=10, attn_weight=-1.0), "attn_weight"),
     (dict(max_tokens=10, attn_weight=float("nan")), "attn_weight"),
 ])
@@ -133,6 +139,29 @@ def test_budget_running_state_and_config():
         c.load_state_dict({"colour": 1})
 
 
+def test_budget_running_state_counts_frames():
+    b = Budget.from_config(BudgetConfig(max_tokens=1000, max_images=3, max_frames=48))
+    assert (b.max_frames, b.max_images, b.limits().max_frames) == (48, 3, 48)
+    assert Budget.from_config(BudgetConfig(max_tokens=1000)).max_frames is None
+    b.add(SampleCost(10, frames=32))
+    b.add(SampleCost(10, images=1, frames=16))
+    assert not b.exceeded() and b.sum_frames == 48
+    b.add(SampleCost(10, frames=1))
+    assert b.exceeded()  # 49 frames > 48, with tokens and images well inside
+    state = b.state_dict()
+    assert state["max_frames"] == 48 and state["sum_frames"] == 49
+    c = Budget(1)
+    c.load_state_dict(state)
+    assert c == b and c.exceeded()
+    assert b.limits().sum_frames == 0 and not b.limits().exceeded()
+    b.reset()
+    assert b.sum_frames == 0 and not b.exceeded()
+    assert b.violations([10, 10], frames=[30, 30]) == ["frames 60 > 48"]
+    assert b.violations([10, 10], [0, 0], [0, 0]) == []  # no frames given: none counted
+    assert Budget(1000).violations([10], frames=[10**6]) == []  # no frame budget: unlimited
+    assert b.fits_alone(SampleCost(10, frames=48)) and not b.fits_alone(SampleCost(10, frames=49))
+
+
 def test_plan_stats_by_hand():
     costs = [SampleCost(t) for t in [10, 9, 3, 3, 2, 1]]
     pad = Budget(20, "pad")
@@ -146,4 +175,7 @@ def test_plan_stats_by_hand():
     st = plan_stats(costs, [[0, 1], [2, 3], [4, 5]], pack)
     assert st["occupied_tokens"] == 60 and st["fill"] == pytest.approx(28 / 60)
     assert st["lower_bound_batches"] == 3  # ceil(6 samples / 2) beats ceil(28 / 20)
+    clips = [SampleCost(t, frames=f) for t, f in [(10, 30), (9, 30), (3, 30), (3, 0), (2, 0), (1, 0)]]
+    st = plan_stats(clips, [[0], [1, 3], [2, 4, 5]], Budget(20, "pack", max_frames=32))
+    assert st["max_batch_frames"] == 30 and st["lower_bound_batches"] == 3  # ceil(90 frames / 32)
     assert batch_fill(5, 0) == 0.0

@@ -244,3 +244,41 @@ def test_window_errors_name_the_row():
         plan_window(text, budget=Budget(10))
     with pytest.raises(ValueError, match="clash"):
         plan_window({"tokens": np.array([1]), "fill": np.array([0.5])}, budget=Budget(10))
+
+
+def test_frames_column_bounds_the_batches():
+    """max_frames (video frames) binds like max_images: 10 clips of 16 frames and 10 tokens plan as
+    one batch by tokens, as 5 under max_frames=32; sum_frames reported; a clip alone over it is named."""
+    n = 10
+    b = {"id": np.arange(n), "tokens": np.full(n, 10), "nf": np.full(n, 16)}
+    budget = Budget(1000, max_frames=32)
+    out = plan_window(b, budget=budget, frames="nf")
+    assert sorted(i for ids in out["id"] for i in ids) == list(range(n))
+    assert len(out["batch_id"]) == 5 and out["sum_frames"] == [32] * 5
+    assert len(plan_window(b, budget=Budget(1000))["batch_id"]) == 1  # no frames column read: no frame budget
+    out = plan_window(b, budget=budget, cost_fn=lambda x: {"tokens": x["tokens"], "frames": x["nf"]})
+    assert len(out["batch_id"]) == 5 and "sum_frames" in out
+    big = dict(b, nf=np.array([16] * (n - 1) + [40]))
+    with pytest.raises(OversizeRowError, match=r"row 9 .*frames 40 > 32.*frames=40"):
+        plan_window(big, budget=budget, frames="nf")
+    out = plan_window(big, budget=budget, frames="nf", oversize="skip")
+    assert [ids for ids, o in zip(out["id"], out["oversize"]) if o] == [[9]]
+    with pytest.raises(ValueError, match="max_frames needs the frames= column"):
+        ray_mmbatch.batch_by_token_budget(None, max_tokens=10, max_frames=5)
+
+
+def test_plan_stage_reads_frames_and_defaults_them_to_zero():
+    """The built-in plan stage (stages.plan_rows) costs n_frames; rows without the column have none."""
+    from ray_mmbatch import schema as S
+    from ray_mmbatch.config import BudgetConfig
+    from ray_mmbatch.dataflow.stages import LIGHT_COLUMNS, plan_rows
+
+    assert S.N_FRAMES in LIGHT_COLUMNS
+    n = 8
+    rows = {S.SAMPLE_ID: np.array([f"s{i}" for i in range(n)], dtype=object), S.SKIP_REASON: np.full(n, "", object),
+            S.TOKENS: np.full(n, 10), S.PATCHES: np.zeros(n, np.int64), S.N_IMAGES: np.zeros(n, np.int64)}
+    cfg = BudgetConfig(max_tokens=1000, max_frames=32)
+    assert len(plan_rows(rows, cfg, seed=0, epoch=0)[S.BATCH_ID]) == 1  # no n_frames column: 0 frames each
+    out = plan_rows(dict(rows, **{S.N_FRAMES: np.full(n, 16)}), cfg, seed=0, epoch=0)
+    assert len(out[S.BATCH_ID]) == 4
+    assert sorted(i for g in out[S.BATCH_SAMPLE_IDS] for i in g) == sorted(rows[S.SAMPLE_ID])

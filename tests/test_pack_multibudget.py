@@ -3,10 +3,11 @@
 When patches fill more batches than tokens and bind for at least 2/3 of the samples,
 the planner keeps its sorted list on patch room (pack_best_fit_decreasing.py). Checked
 here: every budget holds in every batch (tokens with the attention term, patches,
-images, sample count; Budget.violations), every sample exactly once, deterministic;
-hand-worked windows where skipping the token / image / count check would break a
-budget; and on a Qwen2-VL-like mixture no more batches than the token-keyed scan-based
-best fit (the plan before, written out plainly below) and close to the patch bound.
+images, video frames, sample count; Budget.violations), every sample exactly once,
+deterministic; hand-worked windows where skipping the token / image / frame / count
+check would break a budget (the token-keyed list too, for frames); and on a Qwen2-VL-like
+mixture no more batches than the token-keyed scan-based best fit (the plan before,
+written out plainly below) and close to the patch bound.
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from ray_mmbatch.batching.pack_best_fit_decreasing import _patch_keyed
 ALGO = "pack_best_fit_decreasing"
 
 
-def patch_keyed(tokens, patches, images, budget) -> bool:
+def patch_keyed(tokens, patches, images, budget, frames=None) -> bool:
     """Whether the planner takes the patch-keyed path for this window."""
     return _patch_keyed(budget.token_sizes(tokens), budget.token_capacity(),
-                        np.asarray(patches, np.int64), np.asarray(images, np.int64), budget) is not None
+                        np.asarray(patches, np.int64), np.asarray(images, np.int64), budget, frames) is not None
 
 
 def plan_set(costs, budget):
@@ -50,6 +51,24 @@ def test_the_image_room_is_checked_on_the_tightest_patch_fit():
     assert plan_set(costs, budget) == {(0,), (1,), (2,)}
 
 
+@pytest.mark.parametrize("max_images", [None, 5])  # frames in the image slot, or a third side budget
+def test_the_frame_room_is_checked_on_the_tightest_patch_fit(max_images):
+    budget = Budget(100, "pack", max_patches=200, max_images=max_images, max_frames=16)
+    costs = [(10, 150, 0, 16), (10, 100, 0, 16), (10, 40, 0, 16)]
+    assert patch_keyed(*np.array(costs).T[:3], budget, np.array([16, 16, 16]))
+    assert plan_set(costs, budget) == {(0,), (1,), (2,)}
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_images": 5}, {"max_samples": 9}, {"max_patches": 10_000}])
+def test_the_frame_room_is_checked_on_the_tightest_token_fit(extra):
+    # token order 0 (60), 1 (50), 2 (30): 2's tightest token fit is 0's batch (room 40),
+    # whose 32 frames leave no frame room: it goes to 1's
+    budget = Budget(100, "pack", max_frames=32, **extra)
+    costs = [(60, 0, 0, 32), (50, 0, 0, 0), (30, 0, 0, 16)]
+    assert plan_set(costs, budget) == {(0,), (1, 2)}
+    assert plan_set(costs, Budget(100, "pack", **extra)) == {(0, 2), (1,)}  # no frame budget: the tightest
+
+
 def test_a_batch_full_by_count_leaves_the_patch_list():
     budget = Budget(100, "pack", max_patches=200, max_samples=2)
     costs = [(1, 100), (1, 50), (1, 30), (1, 10)]
@@ -68,12 +87,13 @@ def test_tokens_binding_keeps_the_token_keyed_plan():
 @st.composite
 def patch_bound_windows(draw):
     """Windows where every sample is patch-bound (patches / max_patches > tokens / max_tokens)
-    under a random budget with or without image / count limits and the attention term."""
+    under a random budget with or without image / frame / count limits and the attention term."""
     max_tokens = draw(st.integers(8, 3000))
     budget = Budget(max_tokens, "pack", max_patches=draw(st.integers(1, 4)) * max_tokens,
                     max_images=draw(st.one_of(st.none(), st.integers(1, 8))),
                     max_samples=draw(st.one_of(st.none(), st.integers(1, 12))),
-                    attn_weight=draw(st.sampled_from([0.0, 0.0, 1e-4, 1e-3])))
+                    attn_weight=draw(st.sampled_from([0.0, 0.0, 1e-4, 1e-3])),
+                    max_frames=draw(st.one_of(st.none(), st.integers(32, 128))))
     n = draw(st.integers(1, 120))
     tokens, patches = [], []
     for _ in range(n):
@@ -85,15 +105,17 @@ def patch_bound_windows(draw):
         tokens.append(t)
         patches.append(draw(st.integers(lo, budget.max_patches)))
     images = draw(st.lists(st.integers(0, min(4, budget.max_images or 4)), min_size=n, max_size=n))
-    return np.array(tokens, np.int64), np.array(patches, np.int64), np.array(images, np.int64), budget
+    frames = draw(st.lists(st.sampled_from([0, 0, 4, 16, 32]), min_size=n, max_size=n))
+    return (np.array(tokens, np.int64), np.array(patches, np.int64), np.array(images, np.int64), budget,
+            np.array(frames, np.int64))
 
 
 @settings(max_examples=150, deadline=None)
 @given(w=patch_bound_windows(), seed=st.integers(0, 9))
 def test_patch_keyed_plans_keep_every_budget(w, seed):
-    tokens, patches, images, budget = w
-    assert patch_keyed(tokens, patches, images, budget)
-    plan = check_plan(tokens, patches, images, budget, ALGO, seed=seed)
+    tokens, patches, images, budget, frames = w
+    assert patch_keyed(tokens, patches, images, budget, frames)
+    plan = check_plan(tokens, patches, images, budget, ALGO, seed=seed, frames=frames)
     if plan is not None:
         assert len(plan) >= math.ceil(int(patches.sum()) / budget.max_patches)
 

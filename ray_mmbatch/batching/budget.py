@@ -7,7 +7,8 @@ and every test checks batches with the same formulas defined here::
 
     pack:  sum(t) + w * sum(t**2)          <= max_tokens
     pad:   rows * (L + w * L**2), L=max(t) <= max_tokens
-    both:  sum(patches) <= max_patches, sum(images) <= max_images, rows <= max_samples
+    both:  sum(patches) <= max_patches, sum(images) <= max_images,
+           sum(frames) <= max_frames, rows <= max_samples
 
 ``w`` is ``attn_weight`` (0 = plain token count). Sums of token counts are kept
 as Python ints so the check is exact; only the ``w`` term is floating point.
@@ -48,11 +49,12 @@ class OversizeError(ValueError):
 
 @dataclass(frozen=True)
 class SampleCost:
-    """What one sample costs: LM sequence length, vision patches, image count."""
+    """What one sample costs: LM sequence length, vision patches, image count, video frames."""
 
     tokens: int
     patches: int = 0
     images: int = 0
+    frames: int = 0
 
 
 @dataclass
@@ -65,6 +67,8 @@ class Budget:
     max_images: int | None = None
     max_samples: int | None = None
     attn_weight: float = 0.0
+    # after attn_weight so positional Budget(...) calls written before it keep their meaning
+    max_frames: int | None = None
     # running state of the batch being built (add / exceeded / reset)
     n: int = field(default=0, compare=False)
     sum_tokens: int = field(default=0, compare=False)
@@ -72,13 +76,14 @@ class Budget:
     longest: int = field(default=0, compare=False)
     sum_patches: int = field(default=0, compare=False)
     sum_images: int = field(default=0, compare=False)
+    sum_frames: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"budget mode must be one of {MODES}, got {self.mode!r}")
         if int(self.max_tokens) != self.max_tokens or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        for name in ("max_patches", "max_images", "max_samples"):
+        for name in ("max_patches", "max_images", "max_frames", "max_samples"):
             v = getattr(self, name)
             if v is not None and (int(v) != v or v <= 0):
                 raise ValueError(f"{name} must be None or a positive integer, got {v!r}")
@@ -90,7 +95,7 @@ class Budget:
         """Build from ``config.BudgetConfig`` (planner-only fields are ignored)."""
         return cls(max_tokens=cfg.max_tokens, mode=cfg.mode, max_patches=cfg.max_patches,
                    max_images=cfg.max_images, max_samples=cfg.max_samples,
-                   attn_weight=float(cfg.attn_weight))
+                   attn_weight=float(cfg.attn_weight), max_frames=getattr(cfg, "max_frames", None))
 
     # ------------------------------------------------------------ arithmetic
     def row_cost(self, length: int) -> float:
@@ -104,7 +109,7 @@ class Budget:
         return n * self.row_cost(longest)
 
     def violations(self, tokens: Sequence[int], patches: Sequence[int] | None = None,
-                   images: Sequence[int] | None = None) -> list[str]:
+                   images: Sequence[int] | None = None, frames: Sequence[int] | None = None) -> list[str]:
         """Exact check of an explicit batch: the list of broken limits ([] = fits)."""
         t = [int(x) for x in tokens]
         cost = self.token_cost(sum(t), sum(x * x for x in t), len(t), max(t, default=0))
@@ -113,16 +118,19 @@ class Budget:
             out.append(f"tokens cost {cost} > {self.max_tokens}")
         p = sum(int(x) for x in patches) if patches is not None else 0
         m = sum(int(x) for x in images) if images is not None else 0
+        f = sum(int(x) for x in frames) if frames is not None else 0
         if self.max_patches is not None and p > self.max_patches:
             out.append(f"patches {p} > {self.max_patches}")
         if self.max_images is not None and m > self.max_images:
             out.append(f"images {m} > {self.max_images}")
+        if self.max_frames is not None and f > self.max_frames:
+            out.append(f"frames {f} > {self.max_frames}")
         if self.max_samples is not None and len(t) > self.max_samples:
             out.append(f"samples {len(t)} > {self.max_samples}")
         return out
 
     def fits_alone(self, cost: SampleCost) -> bool:
-        return not self.violations([cost.tokens], [cost.patches], [cost.images])
+        return not self.violations([cost.tokens], [cost.patches], [cost.images], [cost.frames])
 
     # ------------------------------------------------ vectorized planner helpers
     def token_sizes(self, tokens: np.ndarray) -> np.ndarray:
@@ -159,6 +167,7 @@ class Budget:
         self.longest = max(self.longest, t)
         self.sum_patches += int(cost.patches)
         self.sum_images += int(cost.images)
+        self.sum_frames += int(cost.frames)
 
     def current_cost(self) -> float:
         return self.token_cost(self.sum_tokens, self.sum_sq_tokens, self.n, self.longest)
@@ -168,11 +177,12 @@ class Budget:
         return bool(self.current_cost() > self.max_tokens
                     or (self.max_patches is not None and self.sum_patches > self.max_patches)
                     or (self.max_images is not None and self.sum_images > self.max_images)
+                    or (self.max_frames is not None and self.sum_frames > self.max_frames)
                     or (self.max_samples is not None and self.n > self.max_samples))
 
     def reset(self) -> None:
         self.n = self.sum_tokens = self.sum_sq_tokens = self.longest = 0
-        self.sum_patches = self.sum_images = 0
+        self.sum_patches = self.sum_images = self.sum_frames = 0
 
     def padded_cost(self) -> int:
         """Compute tokens the running batch occupies (schema.BATCH_PADDED_TOKENS):
@@ -195,7 +205,7 @@ class Budget:
     def limits(self) -> Budget:
         """A copy with the same limits and an empty running state."""
         return Budget(self.max_tokens, self.mode, self.max_patches, self.max_images,
-                      self.max_samples, self.attn_weight)
+                      self.max_samples, self.attn_weight, self.max_frames)
 
 
 def max_tokens_alone(budget: Any) -> int:

@@ -17,7 +17,7 @@ are planned again with the next window)::
     end:       flush() plans and emits the carry; nothing is ever held after it
 
 Quality of a batch: pack = the largest fraction of any limit it uses (tokens
-with the attention term, patches, images, samples), pad = padded fill (real /
+with the attention term, patches, images, frames, samples), pad = padded fill (real /
 rows x longest). The cap is a fraction of the window (``carry``): the planner
 never holds more than ``carry * window`` samples, and a sample waits at most
 ``max_age`` windows, so the extra memory and delay are bounded.
@@ -72,7 +72,7 @@ class CarryPlanner(Generic[T]):
         self.max_age = int(max_age)
         self.closed = False
         self._items: list[T] = []
-        self._costs = np.zeros((3, 0), np.int64)  # tokens, patches, images of carried items
+        self._costs = np.zeros((4, 0), np.int64)  # tokens, patches, images, frames of carried items
         self._age = np.zeros(0, np.int64)  # windows each carried item has waited
 
     @property
@@ -86,31 +86,34 @@ class CarryPlanner(Generic[T]):
             raise ValueError(f"relabel: {len(items)} names for {len(self._items)} held items")
         self._items = list(items)
 
-    def feed(self, items: Sequence[T], tokens, patches=None, images=None, seed: int = 0) -> list[list[T]]:
+    def feed(self, items: Sequence[T], tokens, patches=None, images=None, seed: int = 0,
+             frames=None) -> list[list[T]]:
         """Plan ``carried + items``; return the emitted batches (seeded order), keep the rest.
+        ``patches`` / ``images`` / ``frames`` None = zeros.
 
         Raises OversizeError (index into ``items``) before touching any state if a new
         item cannot fit a batch alone.
         """
-        tokens, patches, images = as_costs(tokens, patches, images)
+        tokens, patches, images, frames = as_costs(tokens, patches, images, frames=frames)
         if len(items) != len(tokens):
             raise ValueError(f"{len(items)} items but {len(tokens)} costs")
-        check_fits_alone(tokens, patches, images, self.budget)
+        check_fits_alone(tokens, patches, images, self.budget, frames)
         if not len(items) and not self.closed:
             return []  # a window with no usable sample: keep what is held for the next one
         cap = 0 if self.closed else int(self.carry * len(items))
-        return self._plan(list(items), np.stack([tokens, patches, images]), cap, seed)
+        return self._plan(list(items), np.stack([tokens, patches, images, frames]), cap, seed)
 
     def flush(self, seed: int = 0) -> list[list[T]]:
         """End of stream: plan and emit everything held; later feeds hold nothing back."""
         self.closed = True
-        return self._plan([], np.zeros((3, 0), np.int64), 0, seed)
+        return self._plan([], np.zeros((4, 0), np.int64), 0, seed)
 
     def _plan(self, new: list[T], new_costs: np.ndarray, cap: int, seed: int) -> list[list[T]]:
         items = self._items + new
         costs = np.concatenate([self._costs, new_costs], axis=1)
         age = np.concatenate([self._age, np.zeros(len(new), np.int64)])
-        batches = ALGORITHMS[self.algorithm](*costs, self.budget) if len(items) else []
+        batches = ALGORITHMS[self.algorithm](costs[0], costs[1], costs[2], self.budget, costs[3]) \
+            if len(items) else []
         hold: list[int] = []
         held: set[int] = set()
         if cap > 0 and batches:
@@ -125,7 +128,7 @@ class CarryPlanner(Generic[T]):
         out = [b for k, b in enumerate(batches) if k not in held] if held else batches
         hold.sort()
         self._items = [items[i] for i in hold]
-        self._costs = costs[:, hold] if hold else np.zeros((3, 0), np.int64)
+        self._costs = costs[:, hold] if hold else np.zeros((4, 0), np.int64)
         self._age = age[hold] + 1 if hold else np.zeros(0, np.int64)
         perm = np.random.default_rng(seed).permutation(len(out)).tolist()
         return [[items[i] for i in out[k]] for k in perm]
@@ -155,7 +158,7 @@ class CarryPlanner(Generic[T]):
                 tf = t.astype(np.float64)
                 tcost = tsum + b.attn_weight * np.add.reduceat(tf * tf, starts)
             quality = tcost / b.max_tokens
-            for row, limit in ((1, b.max_patches), (2, b.max_images)):
+            for row, limit in ((1, b.max_patches), (2, b.max_images), (3, b.max_frames)):
                 if limit is not None:
                     quality = np.maximum(quality, np.add.reduceat(costs[row, flat], starts) / limit)
             if b.max_samples is not None:

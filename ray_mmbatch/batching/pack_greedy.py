@@ -20,12 +20,12 @@ from .prefix import ends_by_additive_limits
 
 
 def pack_greedy(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray,
-                budget: Budget) -> list[list[int]]:
+                budget: Budget, frames: np.ndarray | None = None) -> list[list[int]]:
     n = len(tokens)
     if budget.mode == "pad":
-        return _pad_greedy(tokens, patches, images, budget)
+        return _pad_greedy(tokens, patches, images, budget, frames)
     limit_end = ends_by_additive_limits(budget.token_sizes(tokens), budget.token_capacity(),
-                                        patches, images, budget)
+                                        patches, images, budget, frames)
     batches, i = [], 0
     while i < n:
         j = max(int(limit_end(i)), i + 1)  # a sample that fits alone always gets a batch
@@ -34,8 +34,8 @@ def pack_greedy(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray,
     return batches
 
 
-def _pad_greedy(tokens, patches, images, budget: Budget) -> list[list[int]]:
-    limit_end = ends_by_additive_limits(None, None, patches, images, budget)
+def _pad_greedy(tokens, patches, images, budget: Budget, frames=None) -> list[list[int]]:
+    limit_end = ends_by_additive_limits(None, None, patches, images, budget, frames)
     row_cap = budget.pad_rows_cap(tokens).tolist()
     batches, i, n = [], 0, len(tokens)
     while i < n:

@@ -25,7 +25,7 @@ from .budget import Budget
 
 
 def pad_optimal_split(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray,
-                      budget: Budget) -> list[list[int]]:
+                      budget: Budget, frames: np.ndarray | None = None) -> list[list[int]]:
     n = len(tokens)
     if n == 0:
         return []
@@ -40,8 +40,8 @@ def pad_optimal_split(tokens: np.ndarray, patches: np.ndarray, images: np.ndarra
         lo = _additive_lo(budget.token_sizes(t), budget.token_capacity(), j_all)
         if budget.max_samples is not None:
             lo = np.maximum(lo, j_all - budget.max_samples)
-    for arr, cap in ((patches, budget.max_patches), (images, budget.max_images)):
-        if cap is not None:
+    for arr, cap in ((patches, budget.max_patches), (images, budget.max_images), (frames, budget.max_frames)):
+        if cap is not None and arr is not None:
             lo = np.maximum(lo, _additive_lo(np.asarray(arr, np.int64)[order], cap, j_all))
     lo = np.clip(lo, 0, j_all - 1).tolist()
     # key = batches * big + padding keeps the comparison lexicographic in one int64

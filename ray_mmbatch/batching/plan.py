@@ -1,8 +1,9 @@
 """plan_batches: validate costs, pick a planner by name, shuffle the batch order.
 
 The registry maps names to pure planners with one signature
-``pack_xxx(tokens, patches, images, budget) -> list[list[int]]`` (mosaicml
-streaming's shuffle registry style). Every planner here works in both modes; the
+``pack_xxx(tokens, patches, images, budget, frames=None) -> list[list[int]]``
+(mosaicml streaming's shuffle registry style; ``frames`` None = zeros, so a caller
+written before the frames budget keeps working). Every planner here works in both modes; the
 defaults per mode were picked by measurement (benchmarks/bench_packing.py; the fills
 and speeds are in benchmarks/RESULTS.md, "Packing"):
 
@@ -28,7 +29,7 @@ from .pack_greedy import pack_greedy
 from .pad_optimal_split import pad_optimal_split
 from .pad_sorted_buckets import pad_sorted_buckets
 
-Planner = Callable[[np.ndarray, np.ndarray, np.ndarray, Budget], list]
+Planner = Callable[..., list]  # (tokens, patches, images, budget, frames=None) -> batches
 
 ALGORITHMS: dict[str, Planner] = {
     "pack_greedy": pack_greedy,
@@ -53,27 +54,30 @@ def plan_batches(costs: Sequence[SampleCost], budget: Budget, seed: int = 0,
     tokens = np.fromiter((c.tokens for c in costs), dtype=np.int64, count=len(costs))
     patches = np.fromiter((c.patches for c in costs), dtype=np.int64, count=len(costs))
     images = np.fromiter((c.images for c in costs), dtype=np.int64, count=len(costs))
-    return plan_batches_arrays(tokens, patches, images, budget, seed, algorithm)
+    frames = np.fromiter((c.frames for c in costs), dtype=np.int64, count=len(costs))
+    return plan_batches_arrays(tokens, patches, images, budget, seed, algorithm, frames)
 
 
 def plan_batches_arrays(tokens, patches=None, images=None, budget: Budget | None = None,
-                        seed: int = 0, algorithm: str = "") -> list[list[int]]:
-    """Array form of plan_batches; ``patches`` / ``images`` default to zeros."""
+                        seed: int = 0, algorithm: str = "", frames=None) -> list[list[int]]:
+    """Array form of plan_batches; ``patches`` / ``images`` / ``frames`` default to zeros."""
     if budget is None:
         raise ValueError("budget is required")
-    tokens, patches, images = as_costs(tokens, patches, images)
-    check_fits_alone(tokens, patches, images, budget)
+    tokens, patches, images, frames = as_costs(tokens, patches, images, frames=frames)
+    check_fits_alone(tokens, patches, images, budget, frames)
     name = resolve_algorithm(budget.mode, algorithm)
-    batches = ALGORITHMS[name](tokens, patches, images, budget.limits())
+    batches = ALGORITHMS[name](tokens, patches, images, budget.limits(), frames)
     perm = np.random.default_rng(seed).permutation(len(batches)).tolist()
     return [batches[k] for k in perm]
 
 
-def as_costs(tokens, patches, images, names=("tokens", "patches", "images")):
-    """The three cost arrays as int64 (None: zeros), or ValueError naming the bad one (``names``)."""
+def as_costs(tokens, patches, images, names=("tokens", "patches", "images", "frames"), frames=None):
+    """The four cost arrays (tokens, patches, images, frames) as int64 (None: zeros), or ValueError
+    naming the bad one (``names``; a 3-name tuple calls the frames array "frames")."""
     arrays = []
     n = len(tokens)
-    for name, a in zip(names, (tokens, patches, images)):
+    names = tuple(names) + ("frames",) * (4 - len(names))
+    for name, a in zip(names, (tokens, patches, images, frames)):
         a = np.zeros(n, np.int64) if a is None else np.asarray(a)
         if a.ndim != 1 or len(a) != n:
             raise ValueError(f"{name} must be a 1-D array of length {n}, got shape {a.shape}")
@@ -88,8 +92,9 @@ def as_costs(tokens, patches, images, names=("tokens", "patches", "images")):
     return arrays
 
 
-def oversize_mask(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray, budget: Budget) -> np.ndarray:
-    """True for each sample that breaks a budget alone (no batch can hold it)."""
+def oversize_mask(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray, budget: Budget,
+                  frames: np.ndarray | None = None) -> np.ndarray:
+    """True for each sample that breaks a budget alone (no batch can hold it); ``frames`` None = zeros."""
     tf = tokens.astype(np.float64)
     cost = tf + budget.attn_weight * tf * tf if budget.attn_weight else tokens
     bad = cost > budget.max_tokens
@@ -97,16 +102,18 @@ def oversize_mask(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray, b
         bad |= patches > budget.max_patches
     if budget.max_images is not None:
         bad |= images > budget.max_images
+    if budget.max_frames is not None and frames is not None:
+        bad |= np.asarray(frames) > budget.max_frames
     return np.asarray(bad, dtype=bool)
 
 
 def check_fits_alone(tokens: np.ndarray, patches: np.ndarray, images: np.ndarray,
-                     budget: Budget) -> None:
-    """Raise OversizeError for the first sample that no batch can hold."""
+                     budget: Budget, frames: np.ndarray | None = None) -> None:
+    """Raise OversizeError for the first sample that no batch can hold (``frames`` None = zeros)."""
     if not len(tokens):
         return
-    bad = oversize_mask(tokens, patches, images, budget)
+    bad = oversize_mask(tokens, patches, images, budget, frames)
     if bad.any():
         k = int(np.argmax(bad))
-        c = SampleCost(int(tokens[k]), int(patches[k]), int(images[k]))
-        raise OversizeError(k, c, "; ".join(budget.violations([c.tokens], [c.patches], [c.images])))
+        c = SampleCost(int(tokens[k]), int(patches[k]), int(images[k]), int(frames[k]) if frames is not None else 0)
+        raise OversizeError(k, c, "; ".join(budget.violations([c.tokens], [c.patches], [c.images], [c.frames])))

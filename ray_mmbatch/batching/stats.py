@@ -26,13 +26,17 @@ def plan_stats(costs: Sequence[SampleCost], batches: list[list[int]], budget: Bu
     t = np.array([c.tokens for c in costs], dtype=np.int64)
     p = np.array([c.patches for c in costs], dtype=np.int64)
     m = np.array([c.images for c in costs], dtype=np.int64)
-    return plan_stats_arrays(t, p, m, batches, budget)
+    f = np.array([c.frames for c in costs], dtype=np.int64)
+    return plan_stats_arrays(t, p, m, batches, budget, f)
 
 
-def plan_stats_arrays(tokens, patches, images, batches: list[list[int]], budget: Budget) -> dict:
+def plan_stats_arrays(tokens, patches, images, batches: list[list[int]], budget: Budget,
+                      frames=None) -> dict:
+    """plan_stats over cost arrays; ``patches`` / ``images`` / ``frames`` None = zeros."""
     tokens = np.asarray(tokens, np.int64)
     patches = np.zeros_like(tokens) if patches is None else np.asarray(patches, np.int64)
     images = np.zeros_like(tokens) if images is None else np.asarray(images, np.int64)
+    frames = np.zeros_like(tokens) if frames is None else np.asarray(frames, np.int64)
     nb = len(batches)
     sizes = np.array([len(b) for b in batches], dtype=np.int64)
     flat = np.fromiter((i for b in batches for i in b), dtype=np.int64, count=int(sizes.sum()))
@@ -43,6 +47,7 @@ def plan_stats_arrays(tokens, patches, images, batches: list[list[int]], budget:
     np.maximum.at(longest, bid, tokens[flat])
     b_patches = np.bincount(bid, weights=patches[flat], minlength=nb).astype(np.int64)
     b_images = np.bincount(bid, weights=images[flat], minlength=nb).astype(np.int64)
+    b_frames = np.bincount(bid, weights=frames[flat], minlength=nb).astype(np.int64)
     w = budget.attn_weight
     if budget.mode == "pack":
         occupied = np.full(nb, budget.max_tokens, np.int64)
@@ -54,7 +59,8 @@ def plan_stats_arrays(tokens, patches, images, batches: list[list[int]], budget:
     lower = max([math.ceil(total / budget.max_tokens)]
                 + [math.ceil(int(a.sum()) / lim) for a, lim in
                    ((patches, budget.max_patches), (images, budget.max_images),
-                    (np.ones_like(tokens), budget.max_samples)) if lim is not None])
+                    (frames, budget.max_frames), (np.ones_like(tokens), budget.max_samples))
+                   if lim is not None])
     occ = int(occupied.sum())
     return {
         "mode": budget.mode,
@@ -70,6 +76,7 @@ def plan_stats_arrays(tokens, patches, images, batches: list[list[int]], budget:
         "max_batch_cost_ratio": float(cost.max()) / budget.max_tokens if nb else 0.0,
         "max_batch_patches": int(b_patches.max()) if nb else 0,
         "max_batch_images": int(b_images.max()) if nb else 0,
+        "max_batch_frames": int(b_frames.max()) if nb else 0,
         "samples_per_batch": {
             "min": int(sizes.min()) if nb else 0,
             "mean": float(sizes.mean()) if nb else 0.0,

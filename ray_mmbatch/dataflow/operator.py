@@ -12,7 +12,7 @@ that: a user's Dataset (their reader, their tokenizer, text-only LLM data, audio
 lazy Dataset of batches comes out (Ray Data's convention: nothing runs until it is consumed).
 
 Guarantees (tests/test_operator.py): every input row in exactly one output row; every batch
-within every budget (``max_tokens``, ``max_patches``, ``max_images``, ``max_samples``); the
+within every budget (``max_tokens``, ``max_patches``, ``max_images``, ``max_frames``, ``max_samples``); the
 same batches for the same seed and the same input blocks (the plan seed of a window is a
 hash of (seed, the window's costs and ids), never of scheduling); a row that cannot fit a
 batch even alone raises ``OversizeRowError`` naming the row and the budget it breaks, or,
@@ -45,7 +45,7 @@ from ray_mmbatch.schema import IGNORE_INDEX
 
 BATCH_ID, N_ROWS, REAL_TOKENS, PADDED_TOKENS, FILL, OVERSIZE = (
     "batch_id", "n_rows", "real_tokens", "padded_tokens", "fill", "oversize")
-SUM_PATCHES, SUM_IMAGES = "sum_patches", "sum_images"
+SUM_PATCHES, SUM_IMAGES, SUM_FRAMES = "sum_patches", "sum_images", "sum_frames"
 # text rows: these input columns are replaced by the collated arrays (the layout is collate.py's)
 TEXT_INPUT_COLUMNS = ("input_ids", "labels", "attention_mask", "position_ids")
 TEXT_OUTPUT = {"pack": ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_lens", "max_seqlen",
@@ -61,7 +61,8 @@ class OversizeRowError(OversizeError):
 
     def __init__(self, row: str, cost: SampleCost, why: str):
         ValueError.__init__(self, f"batch_by_token_budget: {row} cannot fit any batch alone: {why} "
-                                  f"(its cost: tokens={cost.tokens}, patches={cost.patches}, images={cost.images}). "
+                                  f"(its cost: tokens={cost.tokens}, patches={cost.patches}, images={cost.images}, "
+                                  f"frames={cost.frames}). "
                                   "Truncate or drop it before batching, raise the budget, or pass "
                                   "oversize='skip' to get it back alone in a batch row flagged oversize=True")
         self.index, self.cost, self.why, self.row = -1, cost, why, row
@@ -73,17 +74,18 @@ def batch_by_token_budget(ds, *, tokens: str = "tokens", patches: str | None = N
                           seed: int = 0, cost_fn: Callable[[dict[str, np.ndarray]], dict] | None = None,
                           algorithm: str = "", attn_weight: float = 0.0, oversize: str = "raise",
                           pad_id: int = 0, collate: bool | None = None, id_column: str | None = None,
-                          carry: float = 0.0):
+                          carry: float = 0.0, frames: str | None = None, max_frames: int | None = None):
     """Group the rows of ``ds`` into batches under a token budget; one output row per batch (lazy).
 
-    Costs of a row: the columns named by ``tokens`` / ``patches`` / ``images`` (whole numbers;
-    ``patches`` / ``images`` None = 0), or ``cost_fn(batch) -> {"tokens": array[, "patches",
-    "images"]}`` over a numpy batch of rows (then the column names are not read). With no
+    Costs of a row: the columns named by ``tokens`` / ``patches`` / ``images`` / ``frames`` (whole
+    numbers; ``patches`` / ``images`` / ``frames`` None = 0), or ``cost_fn(batch) -> {"tokens": array[,
+    "patches", "images", "frames"]}`` over a numpy batch of rows (then the column names are not read). With no
     ``tokens`` column, no cost_fn and an ``input_ids`` column, a row costs ``len(input_ids)``.
 
     Budgets (batching/budget.py): ``mode="pack"``: sum(tokens) <= max_tokens (one packed
     sequence); ``"pad"``: rows * longest <= max_tokens; both: sum(patches) <= max_patches,
-    sum(images) <= max_images, rows <= max_samples. ``algorithm`` names a planner of
+    sum(images) <= max_images, sum(frames) <= max_frames (video frames), rows <= max_samples.
+    ``algorithm`` names a planner of
     ``ray_mmbatch.batching.ALGORITHMS`` ("" = the mode's default); ``attn_weight`` adds the
     attention term of Budget.
 
@@ -97,8 +99,8 @@ def batch_by_token_budget(ds, *, tokens: str = "tokens", patches: str | None = N
     Output row: a column per input column holding the list of the members' values, plus
     ``batch_id`` (str, "<window hash>/<k>"), ``n_rows``, ``real_tokens`` (sum of the token
     costs), ``padded_tokens`` (max_tokens in pack, rows x longest in pad), ``fill``
-    (real / padded), ``oversize`` (bool, see below) and ``sum_patches`` / ``sum_images``
-    when those costs are given.
+    (real / padded), ``oversize`` (bool, see below) and ``sum_patches`` / ``sum_images`` /
+    ``sum_frames`` when those costs are given.
 
     Text rows (an ``input_ids`` column of int lists; ``collate=None`` = whenever it is there,
     False keeps plain member lists): ``input_ids`` / ``labels`` / ``attention_mask`` /
@@ -132,7 +134,7 @@ def batch_by_token_budget(ds, *, tokens: str = "tokens", patches: str | None = N
     other batch row has ``oversize=False``.
     """
     budget = Budget(max_tokens=int(max_tokens), mode=mode, max_patches=max_patches, max_images=max_images,
-                    max_samples=max_samples, attn_weight=float(attn_weight))
+                    max_samples=max_samples, attn_weight=float(attn_weight), max_frames=max_frames)
     resolve_algorithm(mode, algorithm)  # an unknown planner fails here, not in a task
     if int(window) != window or window < 1:
         raise ValueError(f"window must be a positive integer, got {window!r}")
@@ -145,7 +147,10 @@ def batch_by_token_budget(ds, *, tokens: str = "tokens", patches: str | None = N
             raise ValueError("max_patches needs the patches= column (or a cost_fn that returns 'patches')")
         if max_images is not None and images is None:
             raise ValueError("max_images needs the images= column (or a cost_fn that returns 'images')")
-    kwargs = {"budget": budget, "tokens": tokens, "patches": patches, "images": images, "seed": int(seed),
+        if max_frames is not None and frames is None:
+            raise ValueError("max_frames needs the frames= column (or a cost_fn that returns 'frames')")
+    kwargs = {"budget": budget, "tokens": tokens, "patches": patches, "images": images, "frames": frames,
+              "seed": int(seed),
               "cost_fn": cost_fn, "algorithm": algorithm, "oversize": oversize, "pad_id": int(pad_id),
               "collate": collate, "id_column": id_column}
     if carry:
@@ -221,7 +226,8 @@ def token_budget_stats(batches) -> dict[str, Any]:
 def plan_window(batch: dict[str, np.ndarray], *, budget: Budget, tokens: str = "tokens", patches: str | None = None,
                 images: str | None = None, seed: int = 0, cost_fn=None, algorithm: str = "", oversize: str = "raise",
                 pad_id: int = 0, collate: bool | None = None, id_column: str | None = None,
-                planner: CarryPlanner | None = None, held: int = 0, flush: bool = False) -> dict[str, list]:
+                planner: CarryPlanner | None = None, held: int = 0, flush: bool = False,
+                frames: str | None = None) -> dict[str, list]:
     """One window of rows -> its batch rows (what each map_batches task runs; callable without Ray).
 
     Carry (``carry_plan``): ``planner`` holds items named 0..held-1, the window's first ``held``
@@ -235,38 +241,41 @@ def plan_window(batch: dict[str, np.ndarray], *, budget: Budget, tokens: str = "
     if text and "input_ids" not in batch:
         raise ValueError(f"collate=True needs an input_ids column; the rows have {columns}")
     carried = [c for c in columns if not (text and c in TEXT_INPUT_COLUMNS)]
-    t, p, m, has_p, has_m = _window_costs(batch, n, tokens, patches, images, cost_fn)
-    out_cols = _output_columns(carried, text, budget.mode, has_p, has_m)
+    t, p, m, f, has_p, has_m, has_f = _window_costs(batch, n, tokens, patches, images, frames, cost_fn)
+    out_cols = _output_columns(carried, text, budget.mode, has_p, has_m, has_f)
     out: dict[str, list] = {c: [] for c in out_cols}
     if n == 0:
         return out
     ids = _row_names(batch, id_column)
-    key = _window_key(t, p, m, ids)
-    bad = oversize_mask(t, p, m, budget) & (np.arange(n) >= held)
+    key = _window_key(t, p, m, f if has_f else None, ids)
+    bad = oversize_mask(t, p, m, budget, f) & (np.arange(n) >= held)
     if bad.any() and oversize == "raise":
         k = int(np.argmax(bad))
-        c = SampleCost(int(t[k]), int(p[k]), int(m[k]))
+        c = SampleCost(int(t[k]), int(p[k]), int(m[k]), int(f[k]))
         raise OversizeRowError(_describe(k, n, ids), c, "; ".join(budget.violations([c.tokens], [c.patches],
-                                                                                        [c.images])))
+                                                                                        [c.images], [c.frames])))
     good = np.flatnonzero(~bad)
     groups: list[list[int]] = []
     plan_seed = window_seed(seed, 0, key)
     if planner is not None:
         new = good[good >= held]
-        groups = planner.feed(new.tolist(), t[new], p[new], m[new], seed=plan_seed) if len(new) else []
+        groups = planner.feed(new.tolist(), t[new], p[new], m[new], seed=plan_seed, frames=f[new]) if len(new) else []
         if flush:
             groups += planner.flush(seed=plan_seed)
     elif len(good):
-        plan = plan_batches_arrays(t[good], p[good], m[good], budget, seed=plan_seed, algorithm=algorithm)
+        plan = plan_batches_arrays(t[good], p[good], m[good], budget, seed=plan_seed, algorithm=algorithm,
+                                   frames=f[good])
         groups = [good[g].tolist() for g in plan]
     groups += [[int(k)] for k in np.flatnonzero(bad)]
-    return _batch_rows(batch, groups, int(bad.sum()), key, t, p, m, ids, budget, carried, out, text,
-                       has_p, has_m, pad_id)
+    return _batch_rows(batch, groups, int(bad.sum()), key, (t, p, m, f), ids, budget, carried, out, text,
+                       (has_p, has_m, has_f), pad_id)
 
 
-def _batch_rows(batch, groups, n_flagged, key, t, p, m, ids, budget, carried, out, text, has_p, has_m, pad_id):
+def _batch_rows(batch, groups, n_flagged, key, costs, ids, budget, carried, out, text, has, pad_id):
     """The output rows of ``groups`` (row indices into ``batch``; the last ``n_flagged`` are oversize rows)."""
     n_fit = len(groups) - n_flagged
+    t, p, m, f = costs
+    has_p, has_m, has_f = has
     text_cols = _text_columns(batch, t, ids) if text and groups else None
     for j, g in enumerate(groups):
         idx = np.asarray(g, dtype=np.int64)
@@ -287,16 +296,20 @@ def _batch_rows(batch, groups, n_flagged, key, t, p, m, ids, budget, carried, ou
             out[SUM_PATCHES].append(int(p[idx].sum()))
         if has_m:
             out[SUM_IMAGES].append(int(m[idx].sum()))
+        if has_f:
+            out[SUM_FRAMES].append(int(f[idx].sum()))
         if text_cols is not None:
             for name, val in _collate_text(text_cols, g, budget.mode, pad_id).items():
                 out[name].append(val)
     return out
 
 
-def _output_columns(carried: list[str], text: bool, mode: str, has_p: bool, has_m: bool) -> list[str]:
+def _output_columns(carried: list[str], text: bool, mode: str, has_p: bool, has_m: bool,
+                    has_f: bool = False) -> list[str]:
     own = [BATCH_ID, N_ROWS, REAL_TOKENS, PADDED_TOKENS, FILL, OVERSIZE]
     own += [SUM_PATCHES] if has_p else []
     own += [SUM_IMAGES] if has_m else []
+    own += [SUM_FRAMES] if has_f else []
     own += list(TEXT_OUTPUT[mode]) if text else []
     clash = sorted(set(carried) & set(own))
     if clash:
@@ -305,25 +318,27 @@ def _output_columns(carried: list[str], text: bool, mode: str, has_p: bool, has_
     return carried + own
 
 
-def _window_costs(batch, n, tokens, patches, images, cost_fn):
-    """(tokens, patches, images) int64 arrays of a window, and whether patches / images were given."""
+def _window_costs(batch, n, tokens, patches, images, frames, cost_fn):
+    """(tokens, patches, images, frames) int64 arrays of a window, and whether patches / images / frames
+    were given."""
+    roles = ("tokens", "patches", "images", "frames")
     if cost_fn is not None:
         costs = cost_fn(batch)
         if not isinstance(costs, dict) or "tokens" not in costs:
-            raise ValueError("cost_fn must return a dict with a 'tokens' array (and optionally 'patches', 'images')")
-        src = {"tokens": costs["tokens"], "patches": costs.get("patches"), "images": costs.get("images")}
+            raise ValueError("cost_fn must return a dict with a 'tokens' array (and optionally 'patches', 'images', "
+                             "'frames')")
+        src = {k: costs.get(k) for k in roles}
         what = "cost_fn's"
     else:
-        src = {"tokens": _column(batch, tokens, "tokens"),
-               "patches": _column(batch, patches, "patches") if patches is not None else None,
-               "images": _column(batch, images, "images") if images is not None else None}
+        src = {"tokens": _column(batch, tokens, "tokens")}
+        src.update({role: _column(batch, name, role) if name is not None else None
+                    for role, name in (("patches", patches), ("images", images), ("frames", frames))})
         what = "column"
     if np.shape(src["tokens"]) != (n,):
         raise ValueError(f"{what} tokens must hold one number per row ({n} rows), got shape {np.shape(src['tokens'])}")
-    arrays = as_costs(src["tokens"], src["patches"], src["images"], [f"{what} {k}" for k in ("tokens", "patches",
-                                                                                              "images")])
-    has_p, has_m = src["patches"] is not None, src["images"] is not None
-    return arrays[0], arrays[1], arrays[2], has_p, has_m
+    t, p, m, f = as_costs(src["tokens"], src["patches"], src["images"], [f"{what} {k}" for k in roles],
+                          frames=src["frames"])
+    return t, p, m, f, src["patches"] is not None, src["images"] is not None, src["frames"] is not None
 
 
 def _column(batch, name: str, role: str) -> np.ndarray:
@@ -354,10 +369,11 @@ def _describe(k: int, n: int, ids) -> str:
     return f"row {name.item() if isinstance(name, np.generic) else name!r} ({where})"
 
 
-def _window_key(t, p, m, ids) -> str:
-    """A name for the window from its content: the seed of its plan and the prefix of its batch ids."""
+def _window_key(t, p, m, f, ids) -> str:
+    """A name for the window from its content: the seed of its plan and the prefix of its batch ids.
+    ``f`` (frames) None: not given, and the key is the one a window had before the frames budget."""
     h = hashlib.blake2b(digest_size=8)
-    for a in (t, p, m):
+    for a in (t, p, m) if f is None else (t, p, m, f):
         h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
     if ids is not None:
         h.update("\x1f".join(str(x) for x in ids).encode("utf-8", "surrogatepass"))

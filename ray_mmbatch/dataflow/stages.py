@@ -33,7 +33,7 @@ from ray_mmbatch.data.errors import SkipRecord, decode_skips, encode_skips
 from ray_mmbatch.dataflow import timing
 
 PAYLOAD_KEYS = "payload_keys"  # PLAN row: list<str>, where each sample's measured row waits (payloads.py)
-LIGHT_COLUMNS = (S.SAMPLE_ID, S.SKIP_REASON, S.TOKENS, S.PATCHES, S.N_IMAGES) + S.READ_POSITION_COLUMNS
+LIGHT_COLUMNS = (S.SAMPLE_ID, S.SKIP_REASON, S.TOKENS, S.PATCHES, S.N_IMAGES, S.N_FRAMES) + S.READ_POSITION_COLUMNS
 
 
 def uses_carry(budget_cfg: BudgetConfig) -> bool:
@@ -182,8 +182,10 @@ def _split_window(batch: dict[str, Any]) -> tuple[list[dict], list[SkipRecord], 
     return ok, skipped, window_key, end
 
 
-def _costs(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return tuple(np.array([int(r[k]) for r in rows], dtype=np.int64) for k in (S.TOKENS, S.PATCHES, S.N_IMAGES))
+def _costs(rows: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, patches, images, frames) of measured rows; a row without a frames column has none."""
+    t, p, m = (np.array([int(r[k]) for r in rows], dtype=np.int64) for k in (S.TOKENS, S.PATCHES, S.N_IMAGES))
+    return t, p, m, np.array([int(r.get(S.N_FRAMES, 0)) for r in rows], dtype=np.int64)
 
 
 def _plan_output(groups: list[list[dict]], skipped: list, epoch: int, window_key: str,
@@ -211,8 +213,9 @@ def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch:
     ok, skipped, window_key, _ = _split_window(batch)
     groups: list[list[dict]] = []
     if ok:
-        plan = plan_batches_arrays(*_costs(ok), Budget.from_config(budget_cfg),
-                                   seed=window_seed(seed, epoch, window_key), algorithm=budget_cfg.algorithm)
+        t, p, m, f = _costs(ok)
+        plan = plan_batches_arrays(t, p, m, Budget.from_config(budget_cfg), seed=window_seed(seed, epoch, window_key),
+                                   algorithm=budget_cfg.algorithm, frames=f)
         groups = [[ok[i] for i in g] for g in plan]
     return _plan_output(groups, skipped, epoch, window_key,
                         (timing.skipped_seconds(batch), time.perf_counter() - t0))
@@ -294,8 +297,9 @@ class CarryPlanStage:
             part, self.pending = self.pending[:size], self.pending[size:]
             self.windows, self.planned = self.windows + 1, self.planned + len(part)
             key = str(part[0][S.SAMPLE_ID])  # a function of the stream, not of Ray's batch cuts
-            groups += self._mixed(self.planner.feed(part, *_costs(part),
-                                                    seed=window_seed(self.seed, self.epoch, key)))
+            t, p, m, f = _costs(part)
+            groups += self._mixed(self.planner.feed(part, t, p, m, seed=window_seed(self.seed, self.epoch, key),
+                                                    frames=f))
         if self.ended:
             groups += self._mixed(self.planner.flush(seed=window_seed(self.seed, self.epoch, "end")))
         plan_s = self.unbilled_s + time.perf_counter() - t0
