@@ -332,6 +332,9 @@ class DataConfig:
     """Parquet / Arrow: column with image structs {bytes, path} (or a list of them); with the default, a column
     named ``image`` (one nullable struct per row, LLaVA-OneVision) is taken when there is no ``images``;
     '' = no images (formats/layouts.py)."""
+    video_column: str = flag("--video-column", "videos")
+    """Parquet / Arrow column of the videos (HF ``Video`` structs {bytes, path}, binary, or paths read under
+    --image-root); with the default, ``videos`` then ``video`` when such a column holds videos. '' = no videos."""
     text_column: str = flag("--text-column", "conversations")
     """Parquet / Arrow: the dialogue column; its layout is told from its type: list<{from, value}> (LLaVA),
     list<{role, content}> (HF messages), list<{user, assistant}> (The Cauldron ``texts``), struct<question: list,
