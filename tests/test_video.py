@@ -43,7 +43,8 @@ from ray_mmbatch.models import qwen_vl
 from ray_mmbatch.models.hf_common import normalize_video_patches
 from ray_mmbatch.models.inputs import batch_to_torch
 from ray_mmbatch.synthetic.video import clip_frames, encode_clip
-from tests.family_harness import TOLERANCE, image, png
+from tests.family_harness import TOLERANCE, image, png, token_ids
+from tests.family_harness import configure as harness_configure
 from tests.hf_checkpoints import make_qwen_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,12 +91,9 @@ def _checkpoint(tmp_path_factory, model_type: str) -> Path:
 @pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl"))
 def family(request, tmp_path_factory):
     path = _checkpoint(tmp_path_factory, request.param)
-    cfg = Config()
-    cfg.model.path = str(path)
-    qwen_vl.configure(cfg)
+    cfg = harness_configure(qwen_vl, path)
     tok = load_tokenizer(cfg.text.tokenizer)
-    ids = {"vocab_size": len(tok), "image_token_id": tok.convert_tokens_to_ids(cfg.text.image_token),
-           "pad_id": tok.pad_token_id}
+    ids = token_ids(cfg, tok)
     torch.manual_seed(0)
     model = qwen_vl.create_model(cfg, ids).eval()
     return SimpleNamespace(name=request.param, path=path, cfg=cfg, tok=tok, ids=ids, model=model,

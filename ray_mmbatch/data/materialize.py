@@ -30,6 +30,17 @@ def _items(value: Any) -> list:
     return list(value)
 
 
+def _expand(row: dict, ids: np.ndarray, target: np.ndarray, repeats: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, labels): each media token repeated to its token count, labels shifted (module docstring)."""
+    input_ids = np.repeat(ids, repeats)
+    expanded_target = np.repeat(target, repeats)
+    if len(input_ids) != int(row[S.TOKENS]):
+        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(input_ids)} tokens, measured {int(row[S.TOKENS])}")
+    labels = np.full(len(input_ids), S.IGNORE_INDEX, dtype=np.int32)
+    labels[:-1] = np.where(expanded_target[1:] == 1, input_ids[1:], S.IGNORE_INDEX)
+    return input_ids, labels
+
+
 def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | None = None) -> dict[str, Any]:
     """One measured, usable row -> model-ready arrays (see module docstring). Raises ImageSkip on bad pixels."""
     ids = np.asarray(row[S.TEXT_IDS], dtype=np.int32)
@@ -54,12 +65,7 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
         repeats[pad_at] = [image_tokens(g, hw, image_cfg) for g, hw in zip(grids, sizes)]
     else:
         repeats[pad_at] = np.repeat(grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2 // per_image, per_image)
-    input_ids = np.repeat(ids, repeats)
-    expanded_target = np.repeat(target, repeats)
-    if len(input_ids) != int(row[S.TOKENS]):
-        raise ValueError(f"{row[S.SAMPLE_ID]}: {len(input_ids)} tokens, measured {int(row[S.TOKENS])}")
-    labels = np.full(len(input_ids), S.IGNORE_INDEX, dtype=np.int32)
-    labels[:-1] = np.where(expanded_target[1:] == 1, input_ids[1:], S.IGNORE_INDEX)
+    input_ids, labels = _expand(row, ids, target, repeats)
     ps = image_cfg.patch_size
     if len(images) != len(grids):
         raise ValueError(f"{row[S.SAMPLE_ID]}: {len(images)} images for {len(grids)} grids")
@@ -88,12 +94,7 @@ def _materialize_with_videos(row: dict, ids: np.ndarray, target: np.ndarray, gri
     is_video = ids[media_at] == video_id
     repeats = np.ones(len(ids), dtype=np.int64)
     repeats[media_at] = grids[:, 0] * grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
-    input_ids = np.repeat(ids, repeats)
-    expanded_target = np.repeat(target, repeats)
-    if len(input_ids) != int(row[S.TOKENS]):
-        raise ValueError(f"{sid}: {len(input_ids)} tokens, measured {int(row[S.TOKENS])}")
-    labels = np.full(len(input_ids), S.IGNORE_INDEX, dtype=np.int32)
-    labels[:-1] = np.where(expanded_target[1:] == 1, input_ids[1:], S.IGNORE_INDEX)
+    input_ids, labels = _expand(row, ids, target, repeats)
     ps, tps = image_cfg.patch_size, max(1, int(image_cfg.temporal_patch_size))
     image_patches, video_patches, seconds = [], [], []
     for data, grid, video in zip(media, grids, is_video):
