@@ -91,7 +91,8 @@ class ImageConfig:
     video: str = ""
     """Which video processor the cost model and pixels follow (data/video.py): '' = the family takes no video
     (a video sample stops the run at start, naming the family), 'qwen2_vl' (HF Qwen2VLVideoProcessor: Qwen2-VL,
-    Qwen2.5-VL). A ``--model`` checkpoint sets it, and the video_* settings below, from its
+    Qwen2.5-VL), 'qwen3_vl' (HF Qwen3VLVideoProcessor: its pixel bounds cover the whole clip, timestamps in the
+    text). A ``--model`` checkpoint sets it, and the video_* settings below, from its
     video_preprocessor_config.json (else preprocessor_config.json, as HF falls back)."""
     video_sample_frames: bool = False
     """HF ``do_sample_frames``: sample frames by video_fps / video_num_frames; False = every frame of the clip
@@ -106,9 +107,11 @@ class ImageConfig:
     video_max_frames: int = 768
     """Most frames fps sampling takes from a clip (HF ``max_frames``)."""
     video_min_pixels: int = 128 * 28 * 28
-    """Smart resize lower bound on a frame's area (HF video processor ``size['shortest_edge']``)."""
+    """Smart resize lower bound on a frame's area (HF video processor ``size['shortest_edge']``); on the whole
+    clip's pixels (frames x area) for video='qwen3_vl', as its processor does."""
     video_max_pixels: int = flag("--video-max-pixels", 768 * 28 * 28)
-    """Smart resize upper bound on a frame's area (HF video processor ``size['longest_edge']``)."""
+    """Smart resize upper bound on a frame's area (HF video processor ``size['longest_edge']``); on the whole
+    clip's pixels for video='qwen3_vl'."""
     video_cap_pixels_per_frame: bool = False
     """HF ``cap_pixels_per_frame`` (qwen-vl-utils' rule): each frame is also limited to an even share of
     video_max_tokens tokens' worth of pixels (90 %), floored at 1.05 x video_min_pixels."""

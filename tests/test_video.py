@@ -27,7 +27,7 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.batching.collate import collate_pack, collate_pad
 from ray_mmbatch.config import Config
 from ray_mmbatch.data.materialize import materialize_sample
-from ray_mmbatch.data.measure import VideoRefused, measure_batch
+from ray_mmbatch.data.measure import VideoRefused, measure_batch, qwen3_frame_blocks
 from ray_mmbatch.data.text.tokenizer import load_tokenizer
 from ray_mmbatch.data.video import (
     VideoSkip,
@@ -49,11 +49,16 @@ from tests.hf_checkpoints import make_qwen_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
-VIDEO_PROCESSOR = {"video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": True, "fps": 4.0,
-                   "min_frames": 2, "max_frames": 12, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
-                   "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28},
-                   "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                   "image_std": [0.26862954, 0.26130258, 0.27577711]}
+_QWEN2_VIDEO = {"video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": True, "fps": 4.0,
+                "min_frames": 2, "max_frames": 12, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+                "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28},
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711]}
+# Qwen3-VL: the size bounds are over the whole clip (t x h x w)
+VIDEO_PROCESSOR = {"qwen2_vl": _QWEN2_VIDEO, "qwen2_5_vl": _QWEN2_VIDEO,
+                   "qwen3_vl": dict(_QWEN2_VIDEO, video_processor_type="Qwen3VLVideoProcessor", patch_size=16,
+                                    size={"shortest_edge": 8 * 32 * 32, "longest_edge": 96 * 32 * 32},
+                                    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])}
 
 
 def _clips() -> dict[str, bytes]:
@@ -84,11 +89,11 @@ def clips(tmp_path_factory) -> SimpleNamespace:
 
 def _checkpoint(tmp_path_factory, model_type: str) -> Path:
     path = make_qwen_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
-    (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR[model_type]))
     return path
 
 
-@pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl"))
+@pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"))
 def family(request, tmp_path_factory):
     path = _checkpoint(tmp_path_factory, request.param)
     cfg = harness_configure(qwen_vl, path)
@@ -125,10 +130,11 @@ def reference(clips, family, tmp_path_factory):
 
 # ------------------------------------------------------------------ header cost and pixels == HF
 def test_configure_reads_the_video_processor(family):
-    im = family.cfg.image
+    im, want = family.cfg.image, VIDEO_PROCESSOR[family.name]
     assert (im.video, im.video_sample_frames, im.video_fps, im.video_min_frames, im.video_max_frames) == \
-        ("qwen2_vl", True, 4.0, 2, 12)
-    assert (im.video_min_pixels, im.video_max_pixels) == (4 * 28 * 28, 16 * 28 * 28)
+        ("qwen3_vl" if family.name == "qwen3_vl" else "qwen2_vl", True, 4.0, 2, 12)
+    assert (im.video_min_pixels, im.video_max_pixels) == (want["size"]["shortest_edge"], want["size"]["longest_edge"])
+    assert im.video_mean == tuple(want["image_mean"])
     assert family.cfg.text.video_token == "<|video_pad|>"
 
 
@@ -136,14 +142,28 @@ def test_header_cost_equals_the_hf_video_processor(clips, family, reference):
     """Frame indices, video_grid_thw, tokens and second_per_grid_ts from the header alone == HF's processor,
     for every codec / container / rate / rotation / shape; then our decoded pixels == HF's pixel_values_videos."""
     cfg = family.cfg.image
-    failed = [name for name in clips.data if reference[f"{name}/hf_sampler_failed"][0]]
-    assert failed == ["one_frame"]  # HF's sampler divides by zero on it; both then take the clip whole
+    failed = {name: str(reference[f"{name}/hf_failed"]) for name in clips.data if str(reference[f"{name}/hf_failed"])}
+    # the 1-frame clip: Qwen2-VL's sampler divides by zero (both then take the clip whole); Qwen3-VL's resize
+    # refuses fewer frames than temporal_patch_size (we pad it to one temporal patch): docs/data.md
+    assert list(failed) == ["one_frame"], failed
+    assert failed["one_frame"].startswith("processor" if family.name == "qwen3_vl" else "sampler")
     for name, data in clips.data.items():
         plan = plan_video(data, cfg)
         assert plan.indices.tolist() == reference[f"{name}/indices"].tolist(), name
+        if f"{name}/grid" not in reference:
+            continue
         assert [list(plan.grid)] == reference[f"{name}/grid"].tolist(), name
         assert plan.tokens == int(np.prod(plan.grid)) // 4
         assert plan.second_per_grid_t == pytest.approx(float(reference[f"{name}/second_per_grid"][0]), rel=1e-9)
+        if family.name == "qwen3_vl":  # the timestamped text the processor writes for the clip
+            seqlen = plan.grid[1] * plan.grid[2] // 4
+            ours_text = "".join(f"{t}<|vision_start|>{'<|video_pad|>' * seqlen}<|vision_end|>"
+                                for t in plan.timestamp_texts())
+            assert ours_text == str(reference[f"{name}/text"]), name
+            one_pad = str(reference[f"{name}/text"]).replace("<|video_pad|>" * seqlen, "<|video_pad|>")
+            video_id = family.tok.convert_tokens_to_ids("<|video_pad|>")
+            assert qwen3_frame_blocks(family.tok, video_id)(plan).tolist() == \
+                family.tok(one_pad, add_special_tokens=False).input_ids, name  # the ids of HF's text
         ours = patchify_video(decode_video(data, plan, cfg), cfg)
         theirs = reference[f"{name}/pixels"]
         assert ours.shape == theirs.shape, name

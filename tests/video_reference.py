@@ -15,14 +15,17 @@ SPEC: {"checkpoint": dir, "clips": {name: path}}. For every clip, what HF does w
 
 Containers that store no frame count (webm / mkv: PyAV reads 0, and HF's loader then samples nothing)
 get the decoded frame count as ``total_num_frames``; the project counts their packets.
-A clip with fewer frames than temporal_patch_size makes HF's fps sampler divide by zero; it is then taken
-whole (what the project does, docs/data.md) and ``<name>/hf_sampler_failed`` is set.
+A clip with fewer frames than temporal_patch_size makes Qwen2-VL's fps sampler divide by zero (it is then
+taken whole, as the project does, docs/data.md; ``<name>/hf_failed`` = "sampler") and Qwen3-VL's resize
+raise (``hf_failed`` = "processor: ...", no pixels). Qwen3-VL clips also get ``<name>/text``: the
+processor's timestamped video text (Qwen3VLProcessor.replace_video_token).
 Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``.
 """
 from __future__ import annotations
 
 import json
 import sys
+from types import SimpleNamespace
 
 import av
 import numpy as np
@@ -62,20 +65,40 @@ def _frames(path: str, processor) -> tuple[np.ndarray, np.ndarray, float]:
     return np.ascontiguousarray(video), indices, sampled_fps, fell_back
 
 
+def _qwen3_text(processor, grid, indices, fps: float) -> str:
+    """Qwen3VLProcessor.replace_video_token's text for this clip (timestamps, per-frame vision blocks)."""
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    ns = SimpleNamespace(video_processor=processor, vision_start_token="<|vision_start|>",
+                         vision_end_token="<|vision_end|>", video_token="<|video_pad|>")
+    ns._calculate_timestamps = lambda *a: Qwen3VLProcessor._calculate_timestamps(ns, *a)
+    meta = VideoMetadata(total_num_frames=int(indices.max()) + 1, fps=fps, frames_indices=list(indices))
+    return Qwen3VLProcessor.replace_video_token(ns, {"video_grid_thw": grid, "video_metadata": [meta]}, 0)
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     processor = AutoVideoProcessor.from_pretrained(spec["checkpoint"])
+    qwen3 = type(processor).__name__ == "Qwen3VLVideoProcessor"
     out = {}
     for name, path in spec["clips"].items():
         video, indices, sampled_fps, fell_back = _frames(path, processor)
-        got = processor(videos=[video], do_sample_frames=False, return_tensors="np",
-                        **({"cap_pixels_per_frame": bool(spec.get("cap_pixels_per_frame", False))}
-                           if hasattr(processor, "cap_pixels_per_frame") else {}))
         out[f"{name}/indices"] = indices
+        out[f"{name}/hf_failed"] = np.array("sampler" if fell_back else "")
+        try:
+            got = processor(videos=[video], do_sample_frames=False, return_tensors="np",
+                            **({"cap_pixels_per_frame": bool(spec.get("cap_pixels_per_frame", False))}
+                               if hasattr(processor, "cap_pixels_per_frame") else {}))
+        except ValueError as e:  # Qwen3-VL's resize refuses fewer frames than temporal_patch_size
+            out[f"{name}/hf_failed"] = np.array(f"processor: {e}")
+            continue
         out[f"{name}/grid"] = np.asarray(got["video_grid_thw"], dtype=np.int64)
         out[f"{name}/pixels"] = np.asarray(got["pixel_values_videos"], dtype=np.float32)
         out[f"{name}/second_per_grid"] = np.array([processor.temporal_patch_size / sampled_fps])
-        out[f"{name}/hf_sampler_failed"] = np.array([fell_back])
+        if qwen3:
+            with av.open(path) as c:
+                fps = float(c.streams.video[0].average_rate)
+            out[f"{name}/text"] = np.array(_qwen3_text(processor, got["video_grid_thw"], indices, fps))
     np.savez(out_path, **out)
 
 

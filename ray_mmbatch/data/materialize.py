@@ -89,11 +89,24 @@ def _materialize_with_videos(row: dict, ids: np.ndarray, target: np.ndarray, gri
     sid = row[S.SAMPLE_ID]
     media_at = np.flatnonzero((ids == pad_id) | (ids == video_id))
     media = _items(row[S.IMAGES])
-    if not (len(media_at) == len(grids) == len(media)):
-        raise ValueError(f"{sid}: {len(media_at)} media tokens, {len(grids)} grids, {len(media)} media items")
-    is_video = ids[media_at] == video_id
+    per_frame = image_cfg.video == "qwen3_vl"  # one video token per temporal patch (Qwen3-VL), else per video
+    if len(grids) != len(media):
+        raise ValueError(f"{sid}: {len(grids)} grids for {len(media)} media items")
     repeats = np.ones(len(ids), dtype=np.int64)
-    repeats[media_at] = grids[:, 0] * grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
+    is_video, k = np.zeros(len(media), dtype=bool), 0
+    merged = grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2
+    for j, grid in enumerate(grids):
+        if k >= len(media_at):
+            raise ValueError(f"{sid}: {len(media_at)} media tokens for {len(media)} media items")
+        is_video[j] = ids[media_at[k]] == video_id
+        n = int(grid[0]) if is_video[j] and per_frame else 1
+        at = media_at[k:k + n]
+        if len(at) != n or (ids[at] != ids[media_at[k]]).any():
+            raise ValueError(f"{sid}: media item {j} lacks its {n} tokens")
+        repeats[at] = merged[j] * (int(grid[0]) if is_video[j] and not per_frame else 1)
+        k += n
+    if k != len(media_at):
+        raise ValueError(f"{sid}: {len(media_at)} media tokens, {k} for its {len(media)} media items")
     input_ids, labels = _expand(row, ids, target, repeats)
     ps, tps = image_cfg.patch_size, max(1, int(image_cfg.temporal_patch_size))
     image_patches, video_patches, seconds = [], [], []

@@ -108,15 +108,47 @@ def _video_placeholders(conv: Any, plans: list) -> Any:
     return out
 
 
-def _video_pads(ids: np.ndarray, plans: list, image_id: int, video_id: int) -> np.ndarray:
-    """ids with the image token of each video media item replaced by the video token."""
+def _video_pads(ids: np.ndarray, target: np.ndarray, plans: list, image_id: int, video_id: int,
+                frame_block=None) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, target) with the image token of each video media item replaced by the video token, or, for
+    Qwen3-VL (``frame_block(plan)``: the ids of its timestamped per-frame blocks), by that block."""
     at = np.flatnonzero(ids == image_id)
-    kinds = [p is not None for p in plans]
-    if len(at) != len(kinds) or not any(kinds):
-        return ids
-    out = ids.copy()
-    out[at[np.asarray(kinds, dtype=bool)]] = video_id
-    return out
+    kinds = np.asarray([p is not None for p in plans], dtype=bool)
+    if len(at) != len(kinds) or not kinds.any():
+        return ids, target
+    if frame_block is None:
+        out = ids.copy()
+        out[at[kinds]] = video_id
+        return out, target
+    parts_ids, parts_target, last = [], [], 0
+    for pos, plan in zip(at, plans):
+        if plan is None:
+            continue
+        block = frame_block(plan)
+        parts_ids += [ids[last:pos], block]
+        parts_target += [target[last:pos], np.zeros(len(block), dtype=target.dtype)]
+        last = pos + 1
+    return (np.concatenate(parts_ids + [ids[last:]]).astype(ids.dtype),
+            np.concatenate(parts_target + [target[last:]]).astype(target.dtype))
+
+
+def qwen3_frame_blocks(tok, video_id: int):
+    """plan -> Qwen3-VL's video text: per temporal patch ``<t seconds>`` + <|vision_start|> + ONE video token +
+    <|vision_end|> (materialize expands each video token to the frame's tokens), as its processor writes it
+    between the template's own <|vision_start|> .. <|vision_end|>. Each timestamp sits between special tokens,
+    so it encodes alone as in the processor's text."""
+    start, end = tok.convert_tokens_to_ids(S.VISION_START), tok.convert_tokens_to_ids(S.VISION_END)
+    cache: dict[str, list[int]] = {}
+
+    def block(plan) -> np.ndarray:
+        out: list[int] = []
+        for text in plan.timestamp_texts():
+            if text not in cache:
+                cache[text] = list(tok(text, add_special_tokens=False).input_ids)
+            out += cache[text] + [start, video_id, end]
+        return np.asarray(out, dtype=np.int32)
+
+    return block
 
 
 def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: TextConfig) -> dict[str, Any]:
@@ -152,9 +184,10 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             ids[i], target[i] = result
     image_id = image_token_id(tok, text_cfg)
     video_id = video_token_id(tok, text_cfg)
+    frame_block = qwen3_frame_blocks(tok, video_id) if image_cfg.video == "qwen3_vl" else None
     for i in rows:
         if not reasons[i] and any(p is not None for p in plans[i]):
-            ids[i] = _video_pads(ids[i], plans[i], image_id, video_id)
+            ids[i], target[i] = _video_pads(ids[i], target[i], plans[i], image_id, video_id, frame_block)
     if image_cfg.resize == "split":  # Idefics3 / SmolVLM image splitting: each image's grid-dependent text block
         from ray_mmbatch.data.split_block import splice_split_blocks
 
@@ -221,7 +254,10 @@ def fit_to_budget(row: dict, budget: BudgetConfig) -> dict:
     media = (ids == int(row[S.IMAGE_TOKEN_ID])) | (ids == int(row.get(S.VIDEO_TOKEN_ID, -1)))
     if media.any():  # never cut into an image or video: keep its token and the one the template writes after
         # it (Qwen-VL <|vision_end|>, LLaVA's newline), never past the end of the sample
-        floor = min(int(np.flatnonzero(media)[-1]) + 2, len(ids))
+        last = int(np.flatnonzero(media)[-1])
+        floor = min(last + 2, len(ids))
+        if floor < len(ids) and ids[floor] == ids[last + 1]:  # Qwen3-VL: a frame's <|vision_end|>, then the clip's
+            floor += 1
     if keep < floor:
         return _skipped(row, f"{S.SKIP_OVERSIZE}: {what}; its images alone need {tokens - (len(ids) - floor)}")
     if not target[1:keep].any():  # labels are shifted: target[0] never becomes a label

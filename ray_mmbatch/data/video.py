@@ -187,6 +187,8 @@ def _torch_float_arange_int(end: int, step: float) -> np.ndarray:
 def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     """Indices (decode order) of the frames the family's HF video processor takes from this clip."""
     total, tps = header.frames, max(1, int(cfg.temporal_patch_size))
+    if cfg.video == "qwen3_vl":
+        return _sample_qwen3(header, cfg)
     if cfg.video != "qwen2_vl":
         raise ValueError(f"no video sampler {cfg.video!r}")
     if not cfg.video_sample_frames:
@@ -208,6 +210,48 @@ def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     return _torch_float_arange_int(total, total / num)
 
 
+def _sample_qwen3(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
+    """HF Qwen3VLVideoProcessor.sample_frames: int(duration x fps) frames within min..max_frames (and the
+    clip), spread by np.linspace over the clip and rounded; every frame when it does not sample."""
+    total = header.frames
+    if not cfg.video_sample_frames:
+        return np.arange(total, dtype=np.int32)
+    num = cfg.video_num_frames
+    if num is None and cfg.video_fps is not None:
+        num = int(total / header.fps * cfg.video_fps)
+        num = min(max(num, cfg.video_min_frames), cfg.video_max_frames, total)
+    if num is None:
+        num = min(max(total, cfg.video_min_frames), cfg.video_max_frames)
+    if num > total:
+        raise VideoSkip(S.SKIP_EMPTY_VIDEO, f"{total} frames, fewer than the {num} the processor samples")
+    return np.linspace(0, total - 1, num).round().astype(np.int32)
+
+
+def _smart_resize_qwen3(num_frames: int, height: int, width: int, cfg: ImageConfig, max_pixels: int
+                        ) -> tuple[int, int]:
+    """HF Qwen3-VL video ``smart_resize``: the bounds are on t x h x w (all the clip's pixels), formula for formula.
+    A clip of fewer frames than temporal_patch_size counts as one temporal patch (HF raises there)."""
+    from ray_mmbatch.data.image.core import _check_aspect
+
+    tf, factor, min_pixels = max(1, int(cfg.temporal_patch_size)), cfg.factor, cfg.video_min_pixels
+    num_frames = max(num_frames, tf)
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    _check_aspect(height, width, cfg)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(num_frames / tf) * tf
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def _frame_pixels(n_frames: int, cfg: ImageConfig) -> tuple[int, int]:
     """(min_pixels, max_pixels) of one frame: HF Qwen2VLVideoProcessor.resize's bounds."""
     hi = cfg.video_max_pixels
@@ -221,6 +265,13 @@ def frame_size(header: VideoHeader, n_frames: int, cfg: ImageConfig) -> tuple[in
     """(height, width) every sampled frame is resized to (HF's smart_resize with the video bounds)."""
     from ray_mmbatch.data.image.smart import smart_resize
 
+    if cfg.video == "qwen3_vl":  # the pixel bounds are the whole clip's; the cap is per frame, times frames
+        hi = cfg.video_max_pixels
+        if cfg.video_cap_pixels_per_frame:
+            per_frame = max(min(cfg.video_max_tokens * cfg.factor ** 2, cfg.video_max_pixels // n_frames),
+                            int(cfg.video_min_pixels * 1.05))
+            hi = per_frame * n_frames
+        return _smart_resize_qwen3(n_frames, header.height, header.width, cfg, hi)
     lo, hi = _frame_pixels(n_frames, cfg)
     return smart_resize(header.height, header.width, dataclasses.replace(cfg, min_pixels=lo, max_pixels=hi))
 
@@ -244,6 +295,19 @@ class VideoPlan:
         """Qwen2.5-VL's ``second_per_grid_ts``: temporal_patch_size / the sampled frame rate (HF's processor)."""
         sampled_fps = len(self.indices) / self.header.frames * self.header.fps
         return self.temporal / sampled_fps
+
+    def timestamps(self) -> list[float]:
+        """Qwen3-VL: the time of each temporal patch, as its processor computes it (``_calculate_timestamps``:
+        indices padded to temporal_patch_size by the last, seconds = index / fps, each patch's first and last
+        frame averaged)."""
+        idx = [int(i) for i in self.indices]
+        idx += [idx[-1]] * (-len(idx) % self.temporal)
+        t = [i / self.header.fps for i in idx]
+        return [(t[k] + t[k + self.temporal - 1]) / 2 for k in range(0, len(t), self.temporal)]
+
+    def timestamp_texts(self) -> list[str]:
+        """Qwen3-VL's text before each temporal patch's vision block: ``<1.5 seconds>``."""
+        return [f"<{t:.1f} seconds>" for t in self.timestamps()]
 
 
 def plan_video(data, cfg: ImageConfig) -> VideoPlan:

@@ -62,6 +62,8 @@ def checkpoint_files(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _same(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) or isinstance(b, float):

@@ -84,12 +84,18 @@ def _check_processor_steps(path: str, processor: dict) -> None:
         raise ValueError(f"{path}: rescale_factor {processor['rescale_factor']} is not 1/255")
 
 
-# HF's Qwen2VLVideoProcessor class defaults (Qwen2-VL and Qwen2.5-VL take video through it), for keys the
-# checkpoint's video processor settings leave out
-_VIDEO_DEFAULTS = {"do_sample_frames": False, "fps": None, "num_frames": None, "min_frames": 4, "max_frames": 768,
-                   "shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768, "cap_pixels_per_frame": False,
-                   "max_video_tokens": 128000}
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # Qwen3-VL's timestamped video blocks are not built yet
+# HF's video processor class defaults, for keys the checkpoint's video processor settings leave out:
+# Qwen2VLVideoProcessor (Qwen2-VL and Qwen2.5-VL take video through it) and Qwen3VLVideoProcessor
+_QWEN2_VIDEO = {"do_sample_frames": False, "fps": None, "num_frames": None, "min_frames": 4, "max_frames": 768,
+                "shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768, "cap_pixels_per_frame": False,
+                "max_video_tokens": 128000, "image_mean": _PROCESSOR_DEFAULTS["image_mean"],
+                "image_std": _PROCESSOR_DEFAULTS["image_std"]}
+_VIDEO_DEFAULTS = {"qwen2_vl": _QWEN2_VIDEO, "qwen2_5_vl": _QWEN2_VIDEO,
+                   "qwen3_vl": dict(_QWEN2_VIDEO, do_sample_frames=True, fps=2, shortest_edge=128 * 32 * 32,
+                                    longest_edge=32 * 32 * 768, max_video_tokens=768, image_mean=(0.5, 0.5, 0.5),
+                                    image_std=(0.5, 0.5, 0.5))}
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+_PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
 
 
 def video_processor_settings(path: str) -> tuple[dict, str]:
@@ -117,10 +123,11 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
     video, where = video_processor_settings(path)
     where = f"{path} {where}"
     size = video.get("size") or {}
-    get = {k: video.get(k, d) for k, d in _VIDEO_DEFAULTS.items()}
+    get = {k: video.get(k, d) for k, d in _VIDEO_DEFAULTS[model_type].items()}
     lo = video.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or get["shortest_edge"]
     hi = video.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or get["longest_edge"]
-    adopt_setting(cfg, "image.video", "qwen2_vl", f"{path} ({model_type}: HF Qwen2VLVideoProcessor)")
+    sampler = "qwen3_vl" if model_type == "qwen3_vl" else "qwen2_vl"
+    adopt_setting(cfg, "image.video", sampler, f"{path} ({model_type}: HF {_PROCESSOR_CLASS[sampler]})")
     adopt_setting(cfg, "image.video_sample_frames", bool(get["do_sample_frames"]), f"{where} do_sample_frames")
     adopt_setting(cfg, "image.video_fps", None if get["fps"] is None else float(get["fps"]), f"{where} fps",
                   user_may_override=True)
@@ -133,7 +140,7 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
                   f"{where} cap_pixels_per_frame")
     adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens")
     for key in ("image_mean", "image_std"):
-        value = video.get(key, _PROCESSOR_DEFAULTS[key])
+        value = get[key]
         adopt_setting(cfg, f"image.video_{key.split('_')[1]}", tuple(float(v) for v in value), f"{where} {key}")
     for key in ("patch_size", "merge_size", "temporal_patch_size"):
         if video.get(key) is not None and int(video[key]) != getattr(cfg.image, key):
