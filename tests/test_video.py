@@ -344,8 +344,16 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------ a mixed run through Ray
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A Qwen2-VL checkpoint configured (no model built): the Ray run needs its settings and token ids only."""
+    path = _checkpoint(tmp_path_factory, "qwen2_vl")
+    cfg = harness_configure(qwen_vl, path)
+    return SimpleNamespace(path=path, cfg=cfg, ids=token_ids(cfg, load_tokenizer(cfg.text.tokenizer)))
+
+
 @pytest.mark.ray
-def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budget(ray_cluster, clips, family,
+def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budget(ray_cluster, clips, qwen2,
                                                                                    tmp_path):
     """LLaVA-Video-style JSON (video, image, both, text, a broken clip) through read -> measure -> plan ->
     materialize on Ray under --max-tokens and --max-frames: every sample once (trained or skipped with its
@@ -354,8 +362,6 @@ def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budge
     from ray_mmbatch.data.errors import decode_skips
     from ray_mmbatch.dataflow.pipeline import batch_dataset
 
-    if family.name != "qwen2_vl":
-        pytest.skip("one family is enough for the Ray path; exactness is checked per family above")
     names = ["h264_bframes", "vfr", "rotated", "mpeg4_25fps", "vp9_webm", "one_frame", "h264_mkv", "thin"]
     (tmp_path / "media").mkdir()
     for n in names:
@@ -381,17 +387,17 @@ def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budge
         else:
             rec["conversations"][0]["value"] = "Say something."
         records.append(rec)
-        frames[f"r{k}"] = len(plan_video(clips.data[names[k % len(names)]], family.cfg.image).indices) \
+        frames[f"r{k}"] = len(plan_video(clips.data[names[k % len(names)]], qwen2.cfg.image).indices) \
             if kind in (0, 1) else 0
     records.append({"id": "bad", "video": "media/broken.mp4",
                     "conversations": [{"from": "human", "value": "<video>\nWhat?"}, {"from": "gpt", "value": "No."}]})
     (tmp_path / "data.json").write_text(json.dumps(records))
     cfg = Config()
-    cfg.model.path = str(family.path)
+    cfg.model.path = str(qwen2.path)
     cfg = qwen_vl.configure(cfg)
     cfg.data.path, cfg.data.format = str(tmp_path / "data.json"), "llava"
     cfg.budget.window, cfg.budget.max_tokens, cfg.budget.max_frames = 16, 1024, 24
-    rows = batch_dataset(cfg, family.ids["pad_id"]).take_all()
+    rows = batch_dataset(cfg, qwen2.ids["pad_id"]).take_all()
     trained, skipped, batches = [], {}, 0
     for row in rows:
         for rec in decode_skips(row[S.BATCH_SKIPPED]):
@@ -425,3 +431,95 @@ def test_preflight_names_the_family_that_takes_no_video(clips, tmp_path):
     cfg.data.path = str(tmp_path / "data.json")
     with pytest.raises(PreflightError, match=r"the built-in model \(builtin backend\) takes no video.*clip.mp4"):
         preflight(cfg)
+
+
+# ------------------------------------------------------------------ LLaVA-OneVision: frames pooled 2 x 2
+ONEVISION_VIDEO = {"video_processor_type": "LlavaOnevisionVideoProcessor", "size": {"height": 42, "width": 42},
+                   "do_sample_frames": True, "fps": 3.0}
+
+
+@pytest.fixture(scope="module")
+def onevision(tmp_path_factory):
+    from ray_mmbatch.models import llava_onevision as ov
+    from tests.hf_llava_onevision_checkpoint import make_llava_onevision_checkpoint
+
+    path = make_llava_onevision_checkpoint(tmp_path_factory.mktemp("onevision"))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(ONEVISION_VIDEO))
+    cfg = harness_configure(ov, path)
+    tok = load_tokenizer(cfg.text.tokenizer)
+    ids = token_ids(cfg, tok)
+    torch.manual_seed(0)
+    model = ov.create_model(cfg, ids).eval()
+    return SimpleNamespace(name="llava_onevision", path=path, cfg=cfg, tok=tok, ids=ids, model=model,
+                           tol=TOLERANCE["llava_onevision"])
+
+
+def test_onevision_header_cost_and_pixels_equal_its_video_processor(clips, onevision, tmp_path):
+    """Frames sampled, frames x 4 pooled features + 1 newline tokens, and the 42 px frames == HF's
+    LlavaOnevisionVideoProcessor / LlavaOnevisionProcessor for every clip."""
+    python = _reference_python()
+    cfg = onevision.cfg.image
+    assert (cfg.video, cfg.video_sample_frames, cfg.video_fps, onevision.cfg.text.video_token) == \
+        ("llava_onevision", True, 3.0, "<video>")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"checkpoint": str(onevision.path), "num_image_tokens": 9,
+                                "clips": {k: str(v) for k, v in clips.paths.items()}}))
+    done = subprocess.run([python, str(ROOT / "tests" / "video_reference.py"), str(spec), str(tmp_path / "o.npz")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ref = dict(np.load(tmp_path / "o.npz"))
+    from ray_mmbatch.data.video import video_patches
+
+    for name, data in clips.data.items():
+        if name == "one_frame":  # 1 frame at 1 fps, 3 fps asked: HF's sampler refuses it, we skip it
+            assert str(ref[f"{name}/hf_failed"]).startswith("refused"), ref[f"{name}/hf_failed"]
+            with pytest.raises(VideoSkip, match="fewer than the 3"):
+                plan_video(data, cfg)
+            continue
+        assert not str(ref[f"{name}/hf_failed"]), name
+        plan = plan_video(data, cfg)
+        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist() and plan.tokens == int(ref[f"{name}/tokens"]), name
+        ours = normalize_video_patches(torch.from_numpy(video_patches(data, plan, cfg)), cfg.video_mean,
+                                       cfg.video_std).numpy()
+        assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+
+
+def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:
+    """The sample alone through HF's standard forward, pixel_values_videos as [1, frames, 3, S, S]."""
+    from ray_mmbatch.models import llava_onevision as ov
+
+    ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[None]
+    im, side = fam.cfg.image, fam.cfg.image.image_size
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    if len(s["grids"]):
+        kwargs.update(pixel_values=ov.pixel_values(torch.as_tensor(s["patches"]), side, im.image_mean, im.image_std),
+                      image_sizes=torch.as_tensor(s["image_sizes"]).long(), batch_num_images=[len(s["grids"])])
+    if len(s.get("video_grids", ())):
+        frames = normalize_video_patches(torch.as_tensor(s["video_patches"]), im.video_mean, im.video_std)
+        kwargs["pixel_values_videos"] = frames.view(1, -1, 3, side, side)
+    logits = fam.model.hf_model(**kwargs).logits[0]
+    labels = torch.as_tensor(s["labels"], dtype=torch.long)
+    at = torch.nonzero(labels != S.IGNORE_INDEX).flatten()
+    return F.cross_entropy(logits[at].float(), labels[at], reduction="none")
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_onevision_batch_of_clips_and_images_equals_each_sample_alone_through_hf(onevision, clips, mode):
+    samples, measured = _samples(onevision, clips)
+    assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1]
+    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, onevision.ids["pad_id"]),
+                           "cpu")
+    with torch.no_grad():
+        ours = onevision.model.target_ce(batch)
+        want = torch.cat([_onevision_alone_ce(onevision, s) for s in samples])
+        diff = float((ours - want).abs().max())
+        assert diff <= onevision.tol.ce, diff
+        if mode == "pack":  # control: the clips' features in the wrong order (swap the first two clips)
+            b2 = dict(batch)
+            g = batch["video_grid_thw"]
+            n0, n1 = int(g[0, 0]), int(g[1, 0])
+            vp = batch["video_patches"]
+            b2["video_patches"] = torch.cat([vp[n0:n0 + n1], vp[:n0], vp[n0 + n1:]])
+            b2["video_grid_thw"] = torch.cat([g[1:2], g[0:1], g[2:]])
+            assert float((onevision.model.target_ce(b2) - want).abs().max()) > 100 * onevision.tol.ce

@@ -82,7 +82,11 @@ def main(spec_path: str, out_path: str) -> None:
     qwen3 = type(processor).__name__ == "Qwen3VLVideoProcessor"
     out = {}
     for name, path in spec["clips"].items():
-        video, indices, sampled_fps, fell_back = _frames(path, processor)
+        try:
+            video, indices, sampled_fps, fell_back = _frames(path, processor)
+        except ValueError as e:  # HF's default sampler refuses a clip shorter than the frames it asks for
+            out[f"{name}/hf_failed"] = np.array(f"refused: {e}")
+            continue
         out[f"{name}/indices"] = indices
         out[f"{name}/hf_failed"] = np.array("sampler" if fell_back else "")
         try:
@@ -92,9 +96,19 @@ def main(spec_path: str, out_path: str) -> None:
         except ValueError as e:  # Qwen3-VL's resize refuses fewer frames than temporal_patch_size
             out[f"{name}/hf_failed"] = np.array(f"processor: {e}")
             continue
-        out[f"{name}/grid"] = np.asarray(got["video_grid_thw"], dtype=np.int64)
-        out[f"{name}/pixels"] = np.asarray(got["pixel_values_videos"], dtype=np.float32)
-        out[f"{name}/second_per_grid"] = np.array([processor.temporal_patch_size / sampled_fps])
+        pixels = np.asarray(got["pixel_values_videos"], dtype=np.float32)
+        if "video_grid_thw" in got:
+            out[f"{name}/grid"] = np.asarray(got["video_grid_thw"], dtype=np.int64)
+        else:  # LLaVA-OneVision: [1, frames, 3, S, S]; its tokens by LlavaOnevisionProcessor.replace_video_token
+            from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor
+
+            ns = SimpleNamespace(num_image_tokens=spec["num_image_tokens"], video_token="<video>")
+            text = LlavaOnevisionProcessor.replace_video_token(ns, {"pixel_values_videos": pixels}, 0)
+            out[f"{name}/grid"] = np.array([[pixels.shape[1], 1, 1]])
+            out[f"{name}/tokens"] = np.array(text.count("<video>"))
+            pixels = pixels.reshape(pixels.shape[1], -1)
+        out[f"{name}/pixels"] = pixels
+        out[f"{name}/second_per_grid"] = np.array([getattr(processor, "temporal_patch_size", 1) / sampled_fps])
         if qwen3:
             with av.open(path) as c:
                 fps = float(c.streams.video[0].average_rate)

@@ -189,6 +189,8 @@ def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     total, tps = header.frames, max(1, int(cfg.temporal_patch_size))
     if cfg.video == "qwen3_vl":
         return _sample_qwen3(header, cfg)
+    if cfg.video == "llava_onevision":
+        return _sample_default(header, cfg)
     if cfg.video != "qwen2_vl":
         raise ValueError(f"no video sampler {cfg.video!r}")
     if not cfg.video_sample_frames:
@@ -208,6 +210,22 @@ def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     if num <= 0:  # HF divides by zero here; a clip shorter than one temporal patch is taken whole
         return np.arange(total, dtype=np.int32)
     return _torch_float_arange_int(total, total / num)
+
+
+def _sample_default(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
+    """HF BaseVideoProcessor.sample_frames (``default_sample_indices_fn``; LLaVA-OneVision): num_frames, or
+    max(1, int(duration x fps)), spread as arange(n) * total // n; every frame when it does not sample."""
+    total = header.frames
+    if not cfg.video_sample_frames:
+        return np.arange(total, dtype=np.int32)
+    num = cfg.video_num_frames
+    if num is None and cfg.video_fps is not None:
+        num = max(1, int(total / header.fps * cfg.video_fps))
+    if num is None:
+        return np.arange(total, dtype=np.int32)
+    if num > total:
+        raise VideoSkip(S.SKIP_EMPTY_VIDEO, f"{total} frames, fewer than the {num} the processor samples")
+    return (np.arange(num, dtype=np.int64) * total // num).astype(np.int32)
 
 
 def _sample_qwen3(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
@@ -265,6 +283,8 @@ def frame_size(header: VideoHeader, n_frames: int, cfg: ImageConfig) -> tuple[in
     """(height, width) every sampled frame is resized to (HF's smart_resize with the video bounds)."""
     from ray_mmbatch.data.image.smart import smart_resize
 
+    if cfg.video == "llava_onevision":  # every frame squashed to the tower's square, as its processor does
+        return cfg.image_size, cfg.image_size
     if cfg.video == "qwen3_vl":  # the pixel bounds are the whole clip's; the cap is per frame, times frames
         hi = cfg.video_max_pixels
         if cfg.video_cap_pixels_per_frame:
@@ -315,6 +335,9 @@ def plan_video(data, cfg: ImageConfig) -> VideoPlan:
     header = probe_video(data, cfg)
     indices = sample_indices(header, cfg)
     height, width = frame_size(header, len(indices), cfg)
+    if cfg.video == "llava_onevision":  # one whole-frame "patch" a frame; its features pooled 2 x 2, + a newline
+        pooled = math.ceil(cfg.anyres_features / 2)
+        return VideoPlan(header, indices, (len(indices), 1, 1), len(indices) * pooled * pooled + 1, 1)
     tps, ps = max(1, int(cfg.temporal_patch_size)), cfg.patch_size
     grid = (-(-len(indices) // tps), height // ps, width // ps)
     return VideoPlan(header, indices, grid, grid[0] * grid[1] * grid[2] // cfg.merge_size ** 2, tps)
@@ -418,6 +441,15 @@ def decode_video(data, plan: VideoPlan, cfg: ImageConfig) -> np.ndarray:
     stacked = np.stack(frames)
     ps = cfg.patch_size
     return resize_frames(stacked, plan.grid[1] * ps, plan.grid[2] * ps)
+
+
+def video_patches(data, plan: VideoPlan, cfg: ImageConfig) -> np.ndarray:
+    """The clip's uint8 patch rows as the family's model takes them: Qwen's (patchify_video), or LLaVA-OneVision's
+    one row a frame (channel-major [3, S, S], the frame as its processor resized it)."""
+    frames = decode_video(data, plan, cfg)
+    if cfg.video == "llava_onevision":
+        return np.ascontiguousarray(frames.transpose(0, 3, 1, 2)).reshape(len(frames), -1)
+    return patchify_video(frames, cfg)
 
 
 def patchify_video(frames: np.ndarray, cfg: ImageConfig) -> np.ndarray:

@@ -127,7 +127,39 @@ def configure(cfg):
     token_id = int(hf_cfg.image_token_id)
     adopt_setting(cfg, "text.image_token", image_token(cfg.text.tokenizer, token_id, path, "image_token_index"),
                   f"{path} tokenizer, token id {token_id} (config.json image_token_index)")
+    video_id = getattr(hf_cfg, "video_token_id", None)
+    if video_id is not None and int(video_id) >= 0:
+        adopt_setting(cfg, "text.video_token", image_token(cfg.text.tokenizer, int(video_id), path,
+                                                           "video_token_index"),
+                      f"{path} tokenizer, token id {video_id} (config.json video_token_index)")
+        _configure_video(cfg, path, side)
     return cfg
+
+
+def _configure_video(cfg, path: str, side: int) -> None:
+    """image.video* from the checkpoint's video processor (HF LlavaOnevisionVideoProcessor: every frame squashed
+    to the tower's square, bicubic; all frames unless it samples; CLIP mean / std by default)."""
+    from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, adopt_setting
+    from ray_mmbatch.models.qwen_vl import video_processor_settings
+
+    video, where = video_processor_settings(path)
+    where = f"{path} {where}"
+    size = {k: v for k, v in dict(video.get("size") or {"height": 384, "width": 384}).items() if v is not None}
+    if set(size) != {"height", "width"} or not size["height"] == size["width"] == side:
+        raise ValueError(f"{where}: the video processor resizes frames to {size!r}; the vision tower takes {side} px "
+                         "squares (vision_config.image_size)")
+    if video.get("do_center_crop"):
+        raise ValueError(f"{where}: do_center_crop must be off (frames are resized whole)")
+    adopt_setting(cfg, "image.video", "llava_onevision", f"{path} (HF LlavaOnevisionVideoProcessor)")
+    adopt_setting(cfg, "image.video_sample_frames", bool(video.get("do_sample_frames", False)),
+                  f"{where} do_sample_frames")
+    fps = video.get("fps")
+    adopt_setting(cfg, "image.video_fps", None if fps is None else float(fps), f"{where} fps", user_may_override=True)
+    adopt_setting(cfg, "image.video_num_frames", video.get("num_frames"), f"{where} num_frames")
+    adopt_setting(cfg, "image.video_mean", tuple(float(v) for v in video.get("image_mean", CLIP_MEAN)),
+                  f"{where} image_mean")
+    adopt_setting(cfg, "image.video_std", tuple(float(v) for v in video.get("image_std", CLIP_STD)),
+                  f"{where} image_std")
 
 
 # ------------------------------------------------------------------ model
@@ -162,7 +194,47 @@ def make_adapter(hf_model, image_cfg):
         return {"pixel_values": pixel_values(patches, side, mean, std).to(hf_model.model.vision_tower.dtype),
                 "image_sizes": batch["image_sizes"].long(), "batch_num_images": images_per_sample(batch)}
 
-    return image_adapter(hf_model.model.language_model.config, images)
+    still = image_adapter(hf_model.model.language_model.config, images)
+    vmean, vstd = tuple(image_cfg.video_mean or mean), tuple(image_cfg.video_std or std)
+
+    def adapter(batch: dict) -> dict:
+        kwargs = still(batch)
+        vgrids = batch.get("video_grid_thw")
+        if vgrids is None or not vgrids.shape[0]:
+            return kwargs
+        # videos of different lengths do not stack into HF's [videos, frames, 3, S, S]: each clip goes through
+        # HF's own get_video_features alone (its features depend on its frames alone) and the model gets the
+        # encoder outputs (then the images' must come the same way: HF takes one or the other)
+        return _with_video_features(hf_model.model, kwargs, batch, side, vmean, vstd)
+
+    return adapter
+
+
+def _with_video_features(base, kwargs: dict, batch: dict, side: int, mean, std) -> dict:
+    """kwargs with ``mm_encoder_outputs``: HF's get_image_features on the images (as its forward calls it) and
+    get_video_features on each clip, concatenated in clip order."""
+    import torch
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from ray_mmbatch.models.hf_common import normalize_video_patches
+
+    layer, strategy = base.config.vision_feature_layer, base.config.vision_feature_select_strategy
+    out = {}
+    if "pixel_values" in kwargs:
+        out["image"] = base.get_image_features(kwargs.pop("pixel_values"), kwargs.pop("image_sizes"),
+                                               vision_feature_layer=layer, vision_feature_select_strategy=strategy,
+                                               batch_num_images=kwargs.pop("batch_num_images"), return_dict=True)
+    frames = normalize_video_patches(batch["video_patches"], mean, std).view(-1, 3, side, side)
+    frames = frames.to(base.vision_tower.dtype)
+    clips, at = [], 0
+    for n in batch["video_grid_thw"][:, 0].tolist():
+        clips.append(base.get_video_features(frames[at:at + n][None], vision_feature_layer=layer,
+                                             vision_feature_select_strategy=strategy,
+                                             return_dict=True).pooler_output)
+        at += n
+    out["video"] = BaseModelOutputWithPooling(pooler_output=torch.cat(clips, dim=1))
+    kwargs["mm_encoder_outputs"] = out
+    return kwargs
 
 
 def _vision_modules(hf_model) -> list:
