@@ -420,6 +420,20 @@ def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budge
     assert len(trained) == len(set(trained))
     assert batches > sum(frames.values()) // cfg.budget.max_frames  # the frame budget split the clips
 
+    # inspect on the same data: the video figures per sample, the clips decoded and checked against measure
+    from ray_mmbatch.dataflow.inspection import inspect_dataset
+
+    report = inspect_dataset(cfg)
+    with_video = [k for k in range(24) if k % 4 in (0, 1)]
+    assert report["samples_read"] == 25 and report["skipped"] == {short["bad"]: 1}
+    assert report["length_mismatch"] == 0 and report["pixels_decoded"]
+    assert report["samples_with_video"] == len(with_video)
+    assert report["videos_per_sample"] == {"0": 12, "1": 12}
+    assert report["video_frames"]["sum"] == sum(frames.values())
+    assert report["video_frames"]["max"] == max(frames.values())
+    video_tokens = [plan_video(clips.data[names[k % len(names)]], cfg.image).tokens for k in with_video]
+    assert report["video_tokens"]["sum"] == sum(video_tokens)
+
 
 def test_preflight_names_the_family_that_takes_no_video(clips, tmp_path):
     from ray_mmbatch.run.preflight import PreflightError, preflight
