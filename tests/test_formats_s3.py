@@ -210,3 +210,30 @@ def test_output_dir_uri_or_missing_storage_bucket_fail_at_start(s3):
         check_output_locations(cfg)
     cfg.train.storage = f"s3://{BUCKET}/ckpts"
     check_output_locations(cfg)  # an existing bucket passes
+
+
+def test_a_video_in_the_bucket_is_read_as_a_local_one(s3, tmp_path):
+    """A LLaVA-Video record whose clip lies in the bucket: the same bytes and placeholder as from the local copy."""
+    import json
+
+    import boto3
+
+    from ray_mmbatch.synthetic.video import clip_frames, encode_clip
+
+    _, remote = s3
+    clip = encode_clip(clip_frames(6, 32, 48), fps=6)
+    (tmp_path / "clips").mkdir()
+    (tmp_path / "clips" / "c.mp4").write_bytes(clip)
+    (tmp_path / "data.json").write_text(json.dumps([{"id": "v", "video": "clips/c.mp4", "conversations": [
+        {"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "A square."}]}]))
+    client = boto3.client("s3")
+    for name in ("clips/c.mp4", "data.json"):
+        client.upload_file(str(tmp_path / name), BUCKET, f"video/{name}")
+    rows = {}
+    for where in (str(tmp_path), f"{remote.rsplit('/', 1)[0]}/video"):
+        units, read_fn, kwargs = read_units(f"{where}/data.json", DataConfig(path=f"{where}/data.json"))
+        (row,) = read_fn(pa.Table.from_pylist([dict(units[0], end=False)]), **kwargs).to_pylist()
+        rows[where.startswith("s3")] = row
+    for row in rows.values():
+        assert row[S.READ_ERROR] == "" and row[S.IMAGES] == [clip] and "<video>" in row[S.CONVERSATIONS]
+    assert rows[True][S.CONVERSATIONS] == rows[False][S.CONVERSATIONS]
