@@ -292,8 +292,13 @@ def _alone_ce(family, s: dict) -> torch.Tensor:
                       video_grid_thw=torch.as_tensor(s["video_grids"], dtype=torch.long))
         if family.name == "qwen2_5_vl":
             kwargs["second_per_grid_ts"] = torch.as_tensor(s["second_per_grid_ts"])
-    logits = family.model.hf_model(**kwargs).logits[0]
-    labels = torch.as_tensor(s["labels"], dtype=torch.long)
+    return _shifted_ce(family.model.hf_model, kwargs, s["labels"])
+
+
+def _shifted_ce(hf_model, kwargs: dict, labels) -> torch.Tensor:
+    """CE of HF's logits at the sample's target positions (our labels are already shifted)."""
+    logits = hf_model(**kwargs).logits[0]
+    labels = torch.as_tensor(labels, dtype=torch.long)
     at = torch.nonzero(labels != S.IGNORE_INDEX).flatten()
     return F.cross_entropy(logits[at].float(), labels[at], reduction="none")
 
@@ -512,10 +517,7 @@ def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:
     if len(s.get("video_grids", ())):
         frames = normalize_video_patches(torch.as_tensor(s["video_patches"]), im.video_mean, im.video_std)
         kwargs["pixel_values_videos"] = frames.view(1, -1, 3, side, side)
-    logits = fam.model.hf_model(**kwargs).logits[0]
-    labels = torch.as_tensor(s["labels"], dtype=torch.long)
-    at = torch.nonzero(labels != S.IGNORE_INDEX).flatten()
-    return F.cross_entropy(logits[at].float(), labels[at], reduction="none")
+    return _shifted_ce(fam.model.hf_model, kwargs, s["labels"])
 
 
 @pytest.mark.parametrize("mode", ["pack", "pad"])
