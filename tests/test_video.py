@@ -539,3 +539,17 @@ def test_onevision_batch_of_clips_and_images_equals_each_sample_alone_through_hf
             b2["video_patches"] = torch.cat([vp[n0:n0 + n1], vp[:n0], vp[n0 + n1:]])
             b2["video_grid_thw"] = torch.cat([g[1:2], g[0:1], g[2:]])
             assert float((onevision.model.target_ce(b2) - want).abs().max()) > 100 * onevision.tol.ce
+
+
+def test_split_batch_gives_back_each_samples_clips(family, clips):
+    """verify-packing splits a batch into its samples: each keeps its clips, patches and seconds."""
+    from ray_mmbatch.batching.layout import split_batch
+
+    samples, _ = _samples(family, clips)
+    for collate in (collate_pack, collate_pad):
+        back = split_batch(collate(samples, family.ids["pad_id"]))
+        for s, b in zip(samples, back):
+            assert np.array_equal(b["video_patches"], s.get("video_patches", b["video_patches"][:0]))
+            assert np.array_equal(b["video_grids"], np.asarray(s.get("video_grids", np.zeros((0, 3)))).reshape(-1, 3))
+            assert np.array_equal(b["second_per_grid_ts"], s.get("second_per_grid_ts", np.zeros(0, np.float32)))
+            assert np.array_equal(b["patches"], s["patches"]) and np.array_equal(b["input_ids"], s["input_ids"])

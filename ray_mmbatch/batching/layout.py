@@ -60,7 +60,8 @@ def filler_batch(patch_dim: int) -> dict[str, Any]:
 
 def split_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:
     """The inverse of collate: a collated batch (pack or pad) -> its samples, each as collate takes them
-    (sample_id, input_ids, labels, patches, grids), in batch order."""
+    (sample_id, input_ids, labels, patches, grids; video_patches, video_grids, second_per_grid_ts when the batch
+    has videos), in batch order."""
     grids = np.asarray(batch["image_grid_thw"]).reshape(-1, 3)
     owner = np.asarray(batch["image_sample_index"])
     vcu = np.asarray(batch["vision_cu_seqlens"])
@@ -82,4 +83,14 @@ def split_batch(batch: dict[str, Any]) -> list[dict[str, Any]]:
         })
         if "image_sizes" in batch:
             out[-1]["image_sizes"] = np.asarray(batch["image_sizes"]).reshape(-1, 2)[mine]
+    if "video_grid_thw" in batch:  # videos (collate._videos): each sample's clips, patches and seconds
+        vgrids = np.asarray(batch["video_grid_thw"]).reshape(-1, 3)
+        vowner = np.asarray(batch["video_sample_index"])
+        vstart = np.concatenate([[0], np.cumsum(np.prod(vgrids, axis=1))]).astype(np.int64)
+        seconds = np.asarray(batch["second_per_grid_ts"])
+        for i, sample in enumerate(out):
+            mine = np.flatnonzero(vowner == i)
+            clips = [batch["video_patches"][vstart[j]:vstart[j + 1]] for j in mine]
+            sample.update(video_grids=vgrids[mine], second_per_grid_ts=seconds[mine],
+                          video_patches=np.concatenate(clips) if clips else batch["video_patches"][:0])
     return out
