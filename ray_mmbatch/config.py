@@ -455,7 +455,10 @@ def flag_for(key: str) -> str:
 AUTO_FIELDS = {"data.preprocess_workers"}
 
 
-def _coerce(value: Any, current: Any, name: str) -> Any:
+_ITEM_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _coerce(value: Any, current: Any, name: str, annotation: str = "") -> Any:
     if name in AUTO_FIELDS and (value is None or (isinstance(value, str) and value.lower() in ("auto", "none"))):
         return None
     if isinstance(current, bool):
@@ -469,7 +472,9 @@ def _coerce(value: Any, current: Any, name: str) -> Any:
     if isinstance(current, tuple):
         if isinstance(value, str):  # --set image.image_mean=0.5,0.5,0.5
             value = [v.strip() for v in value.split(",") if v.strip()]
-        kind = type(current[0]) if current else str
+        # the items' type from the field's annotation ("tuple[float, ...]"): an empty default tells nothing
+        item = annotation.partition("[")[2].partition(",")[0].strip()
+        kind = _ITEM_TYPES.get(item) or (type(current[0]) if current else str)
         return tuple(kind(v) for v in value)
     if value is None or current is None:
         if isinstance(value, str) and value.lower() in ("none", "null", ""):
@@ -497,10 +502,10 @@ def apply_overrides(cfg: Config, overrides: dict[str, Any]) -> Config:
         section = getattr(cfg, section_name, None)
         if section is None or not dataclasses.is_dataclass(section):
             raise KeyError(f"unknown config section {section_name!r} in {key!r}")
-        names = {f.name for f in dataclasses.fields(section)}
-        if field_name not in names:
-            raise KeyError(f"unknown setting {key!r}; {section_name} has {sorted(names)}")
-        setattr(section, field_name, _coerce(value, getattr(section, field_name), key))
+        fields = {f.name: f for f in dataclasses.fields(section)}
+        if field_name not in fields:
+            raise KeyError(f"unknown setting {key!r}; {section_name} has {sorted(fields)}")
+        setattr(section, field_name, _coerce(value, getattr(section, field_name), key, str(fields[field_name].type)))
     return cfg
 
 

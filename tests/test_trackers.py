@@ -274,6 +274,28 @@ def _train_loop_keeping_each_ranks_weights(config: dict) -> None:
 
 @pytest.mark.ray
 @pytest.mark.slow
+def _video_shard(path, ck) -> None:
+    """A WebDataset shard of 6 clips (KEY.mp4 + KEY.json with a <video> turn), and the checkpoint's video
+    processor (fps sampling), so the training run below takes video samples too."""
+    import io
+    import tarfile
+
+    from ray_mmbatch.synthetic.video import clip_frames, encode_clip
+
+    (ck / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": True, "fps": 4.0, "min_frames": 2,
+        "max_frames": 8, "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28}}))
+    with tarfile.open(path, "w") as tar:
+        for k in range(6):
+            record = json.dumps({"id": f"vid{k}", "conversations": [
+                {"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": f"A square, {k}."}]})
+            for name, data in ((f"vid{k}.mp4", encode_clip(clip_frames(6 + 2 * k, 40, 56, k), fps=6)),
+                               (f"vid{k}.json", record.encode())):
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+
+
 def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env, tmp_path, monkeypatch):
     """`ray-mmbatch train --report-to tensorboard,mlflow,wandb` with a held-out set and a worker killed
     after step 7: the restore to step 4's checkpoint reports step 6 again. Every tracker has the loss
@@ -307,6 +329,7 @@ def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env,
     data, extra, out = tmp_path / "data", tmp_path / "extra", tmp_path / "run"
     generate_dataset(str(data), 96, "parquet", seed=3, shard_size=48, bad_per_kind=1)
     generate_dataset(str(extra), 32, "webdataset", seed=5, shard_size=16, workers=1)
+    _video_shard(extra / "shard-video.tar", ck)  # clips beside the images: video trains under LoRA + DDP too
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the wrapper below runs in the workers
     monkeypatch.setattr("ray_mmbatch.train.loop.train_loop_per_worker", _train_loop_keeping_each_ranks_weights)
     rc = main(["--model", str(ck), "--lora-rank", "4", "--lora-alpha", "8", "--num-workers", "2", "--lr", "1e-3",
@@ -352,6 +375,7 @@ def test_train_command_reports_every_step_to_all_three(ray_cluster, tracker_env,
     assert copies and {source_of(s) for s in copies} == {"extra"}
     sources = summary["sources"]
     assert set(sources) == set(per) == {"data", "extra"}  # both sources trained
+    assert any("shard-video.tar/vid" in s for s in ledger), "no clip trained"
     for name, weight in (("data", 0.6), ("extra", 0.4)):
         assert sources[name]["weight"] == weight and sources[name]["trained"] == per[name]
         assert sources[name]["trained_share"] == pytest.approx(per[name] / len(ledger))

@@ -553,3 +553,15 @@ def test_split_batch_gives_back_each_samples_clips(family, clips):
             assert np.array_equal(b["video_grids"], np.asarray(s.get("video_grids", np.zeros((0, 3)))).reshape(-1, 3))
             assert np.array_equal(b["second_per_grid_ts"], s.get("second_per_grid_ts", np.zeros(0, np.float32)))
             assert np.array_equal(b["patches"], s["patches"]) and np.array_equal(b["input_ids"], s["input_ids"])
+
+
+def test_a_configured_run_crosses_to_the_workers_with_its_video_settings(family):
+    """The train workers rebuild the config from its dict: tuples with an empty default (video mean / std,
+    LLaVA-OneVision's pinpoints) keep their items' type (they came back as strings, and training stopped)."""
+    from ray_mmbatch.config import apply_overrides, flatten
+
+    back = apply_overrides(Config(), flatten(family.cfg.to_dict()))
+    assert back == family.cfg
+    assert all(isinstance(v, float) for v in back.image.video_mean + back.image.video_std)
+    back.image.grid_pinpoints = (42, 84)
+    assert apply_overrides(Config(), flatten(back.to_dict())).image.grid_pinpoints == (42, 84)
