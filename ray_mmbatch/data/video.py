@@ -370,7 +370,9 @@ def _decode_sampled(data, indices: np.ndarray, expected: int) -> tuple[list[np.n
         by_index = np.asarray(pts, dtype=np.int64)[order]
         is_key = np.asarray(keys, dtype=bool)[order]
         key_at = np.maximum.accumulate(np.where(is_key, np.arange(len(order)), 0))  # keyframe before each frame
-        wanted = {int(by_index[i]): k for k, i in enumerate(indices)}
+        wanted: dict[int, list[int]] = {}  # pts -> the output slots that frame fills
+        for j, i in enumerate(indices):
+            wanted.setdefault(int(by_index[i]), []).append(j)
         out: list[np.ndarray | None] = [None] * len(indices)
         decoded, k = 0, 0
         unique = sorted(set(int(i) for i in indices))
@@ -387,9 +389,8 @@ def _decode_sampled(data, indices: np.ndarray, expected: int) -> tuple[list[np.n
                     continue
                 if frame.pts in wanted:
                     rgb = frame.to_ndarray(format="rgb24")
-                    for j, i in enumerate(indices):
-                        if int(by_index[i]) == frame.pts:
-                            out[j] = rgb
+                    for j in wanted[frame.pts]:
+                        out[j] = rgb
                 if frame.pts >= last_pts:
                     break
             k = run_end + 1
