@@ -49,7 +49,7 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
                         help="override any config field, e.g. --set model.mlp_ratio=2")
     for flag, key in FLAGS.items():
         section, field = key.split(".")
-        if only and section not in only:
+        if only and section not in only and key not in only:  # a section, or one "section.field"
             continue
         sec = getattr(defaults, section)
         default = getattr(sec, field)

@@ -87,3 +87,78 @@ def test_inspect_command_shows_progress_and_no_ray_scheduling_warning(ray_cluste
                      out.err, re.M), out.err
     assert "concurrent actors" not in out.err + out.out
     assert not [w for w in recwarn.list if "concurrent actors" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two families whose costs differ from the built-in model's: a Qwen2-VL with a 64-token pixel cap and a
+    LLaVA-1.5 (one fixed square, its own chat template)."""
+    from tests.hf_checkpoints import make_qwen_checkpoint
+    from tests.hf_llava_checkpoint import make_llava_checkpoint
+
+    root = tmp_path_factory.mktemp("inspect_ckpts")
+    return {"qwen2_vl": make_qwen_checkpoint(root / "qwen2_vl", "qwen2_vl"),
+            "llava": make_llava_checkpoint(root / "llava")}
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_inspect_measures_with_the_model_that_train_plans_with(ray_cluster, tmp_path, capsys, monkeypatch,
+                                                               checkpoints, family):
+    """``inspect --model CKPT`` (and ``--set model.path=CKPT``) gives the per-sample figures the training path
+    plans for that checkpoint (local_batches: the same configure, measure and plan as a Ray run), not the
+    built-in model's; it names the model and ends with suggested budgets that hold every sample."""
+    import json
+
+    from ray_mmbatch import local_batches
+    from ray_mmbatch.commands import inspect_data
+    from ray_mmbatch.run import raylogs
+
+    monkeypatch.setattr(raylogs, "_filter_stderr", lambda: None)
+    monkeypatch.setattr(raylogs, "_state", dict(raylogs._state))
+    monkeypatch.setenv("RAY_MMBATCH_QUIET", "1")
+    generate_dataset(str(tmp_path / "d"), 40, "llava", seed=7, shard_size=40)
+    ckpt = str(checkpoints[family])
+    data = ["--data", str(tmp_path / "d"), "--max-tokens", "100000", "--decode", "off"]
+    reports = {}
+    for name, flags in (("builtin", []), ("model", ["--model", ckpt]), ("set", ["--set", f"model.path={ckpt}"])):
+        assert inspect_data.main(data + flags + ["--json", str(tmp_path / f"{name}.json")]) == 0
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    err = capsys.readouterr().err
+    cfg = Config()
+    cfg.data.path, cfg.model.path, cfg.budget.max_tokens = str(tmp_path / "d"), ckpt, 100000
+    planned = {}
+    for b in local_batches(cfg):
+        planned.update(zip(b["sample_ids"], (int(n) for n in b["seq_lens"])))
+    model, builtin = reports["model"], reports["builtin"]
+    assert reports["set"]["tokens"] == model["tokens"] and reports["set"]["model"] == model["model"]
+    assert model["model"]["model_type"] == family and builtin["model"]["backend"] == "builtin"
+    assert model["samples_ok"] == len(planned) == 40
+    assert model["tokens"]["sum"] == sum(planned.values()) != builtin["tokens"]["sum"]
+    assert (model["tokens"]["min"], model["tokens"]["max"]) == (min(planned.values()), max(planned.values()))
+    fits = model["suggested_budgets"]["max_tokens"][0]
+    assert fits["why"] == "fits_all" and fits["oversize"] == 0 and fits["value"] >= max(planned.values())
+    assert fits["value"] - 1024 < max(planned.values())  # the smallest multiple of 1,024 that holds them all
+    assert f"[inspect] suggested: --max-tokens {fits['value']} (0 of 40 samples oversize)" in err
+
+
+def test_suggested_budgets_count_what_each_value_leaves_oversize():
+    """The candidates by the planner's own oversize rule: tokens (with the attention term) and frames."""
+    import numpy as np
+
+    from ray_mmbatch.batching.suggest import format_suggestions, suggest_budgets
+    from ray_mmbatch.config import BudgetConfig
+
+    tokens = np.array([100] * 98 + [3000, 9000])
+    frames = np.array([0] * 90 + [16] * 9 + [70])
+    got = suggest_budgets(tokens, frames, BudgetConfig(max_tokens=2048, max_frames=32))
+    assert got["max_tokens"] == [{"value": 9216, "oversize": 0, "why": "fits_all"},
+                                 {"value": 3072, "oversize": 1, "why": "p99"},
+                                 {"value": 2048, "oversize": 2, "why": "current"}]
+    assert got["max_frames"] == [{"value": 72, "oversize": 0, "why": "fits_all"},
+                                 {"value": 24, "oversize": 1, "why": "p99"},
+                                 {"value": 32, "oversize": 1, "why": "current"}]
+    assert "max_frames" not in suggest_budgets(tokens, None, BudgetConfig())
+    weighted = suggest_budgets(tokens, None, BudgetConfig(max_tokens=2048, attn_weight=0.001))["max_tokens"]
+    assert weighted[0]["value"] == 90112 and weighted[0]["oversize"] == 0  # 9000 + 0.001 * 9000**2 = 90,000
+    assert format_suggestions(got, 100).splitlines()[0] == \
+        "--max-tokens 9216 (0 of 100 samples oversize); at p99 3072: 1 oversize; now 2048: 2 oversize"

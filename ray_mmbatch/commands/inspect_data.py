@@ -1,7 +1,12 @@
 """Data check before spending GPU time: read -> measure (-> decode, --decode) every sample with
 Ray Data and print a JSON summary (counts, skip reasons with example ids, token / image
-token / patch percentiles, images per sample, throughput). Use the distributions to pick
-budgets: e.g. --max-tokens at least the p99 of `tokens`.
+token / patch percentiles, images per sample, throughput), measured with the model a run
+trains: --model CKPT (or --set model.path=CKPT) configures it exactly as `train` does (the checkpoint's
+tokenizer, chat template, image and video processor), so the figures are the ones `train` plans with.
+It ends with suggested budgets (--max-tokens; --max-frames with video), each with the samples that would
+be oversize at that value:
+
+    ray-mmbatch inspect --model /ckpt/Qwen2.5-VL-3B-Instruct --data DATA
 
 --throughput sizes the data side instead: the first --throughput-samples samples go through the
 training path's stages (read -> measure -> plan -> materialize) in this one process, timed in CPU
@@ -23,7 +28,7 @@ from ray_mmbatch.cli import add_config_flags, add_console_flags, config_from_arg
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_config_flags(parser, only=("data", "text", "image", "budget"))
+    add_config_flags(parser, only=("data", "text", "image", "budget", "model.path", "model.backend"))
     parser.add_argument("--json", metavar="PATH", help="also write the summary here")
     parser.add_argument("--decode", choices=("auto", "on", "off"), default="auto",
                         help="decode every image too (finds corrupt pixel data; checks materialized lengths): "
@@ -55,7 +60,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     cfg = config_from_args(args)
     if not (cfg.data.path or cfg.data.sources):
         parser.error("--data is required")
-    from ray_mmbatch.run.preflight import PreflightError, TooManySkippedAtStart, preflight
+    from ray_mmbatch.run.preflight import PreflightError, TooManySkippedAtStart, configure_run, preflight
     from ray_mmbatch.run.raylogs import quiet_ray
 
     tty = sys.stderr.isatty()
@@ -63,6 +68,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         quiet_ray(args.verbose, own_progress=True)
     warning = ""
     try:
+        cfg = configure_run(cfg)  # the model's tokenizer, template and processors: train's figures, not the demo's
         preflight(cfg)
     except TooManySkippedAtStart as e:  # inspect still reads it all: a mostly skipped set is what it is for
         warning = str(e).replace("stopping instead of training on the rest", "a training run would stop")
@@ -79,13 +85,36 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     # on stderr: stdout is the JSON summary. Its terminal test from before quiet_ray piped fd 2
     with Progress("inspect", stream=sys.stderr, tty=tty, log_every_s=args.progress_every) as meter:
         summary = inspect_dataset(cfg, args.decode, progress=meter)
+    summary = {"model": model_summary(cfg), **summary}
     text = json.dumps(summary, indent=2)
     print(text)
     if args.json:
         Path(args.json).write_text(text)
+    if summary.get("suggested_budgets"):
+        from ray_mmbatch.batching.suggest import format_suggestions
+
+        lines = format_suggestions(summary["suggested_budgets"], summary["samples_ok"]).splitlines()
+        print("\n".join(f"[inspect] suggested: {line}" for line in lines), file=sys.stderr, flush=True)
     if warning:
         print(f"[inspect] warning: {warning}", file=sys.stderr, flush=True)
     return 0
+
+
+def model_summary(cfg) -> dict:
+    """Which model the figures are measured with: the checkpoint (its model_type, the backend) or the built-in
+    model, and the image / video processing it configured."""
+    from ray_mmbatch.models import backend_name
+    from ray_mmbatch.run.preflight import checkpoint_family
+
+    im = cfg.image
+    out = {"path": cfg.model.path or "", "model_type": checkpoint_family(cfg), "backend": backend_name(cfg.model),
+           "tokenizer": cfg.text.tokenizer or "(built-in)", "resize": im.resize}
+    out.update({"min_pixels": im.min_pixels, "max_pixels": im.max_pixels} if im.resize == "smart"
+               else {"image_size": im.image_size})
+    if im.video:
+        out["video"] = {"processor": im.video, "sample_frames": im.video_sample_frames, "fps": im.video_fps,
+                        "num_frames": im.video_num_frames, "max_pixels": im.video_max_pixels}
+    return out
 
 
 def _throughput(cfg, args) -> int:

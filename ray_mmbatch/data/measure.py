@@ -68,9 +68,12 @@ def _grids(images: list, refs: list, cfg: ImageConfig, sample_id: str = "") -> t
                 raise ImageSkip(S.SKIP_EMPTY_FILE, "no bytes")
             if is_video(data):
                 if not cfg.video:
-                    raise VideoRefused(f"sample {sample_id}: {where.replace('image', 'media item', 1)} is a video, and "
-                                       f"the model's image processing (resize={cfg.resize!r}) takes no video. Families "
-                                       "that train on video: Qwen2-VL, Qwen2.5-VL; or --filter the videos out")
+                    from ray_mmbatch.models import video_model_types  # the registry's list: it cannot drift
+
+                    raise VideoRefused(f"sample {sample_id}: {where.replace('image', 'media item', 1)} is a video, "
+                                       f"and the model's image processing (resize={cfg.resize!r}) takes no video. "
+                                       "Checkpoints that train on video (model_type): "
+                                       f"{', '.join(video_model_types())}; or --filter the videos out")
                 plan = plan_video(data, cfg)
                 grids.append(plan.grid)
                 tokens += plan.tokens

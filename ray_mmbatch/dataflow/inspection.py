@@ -128,6 +128,7 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
     listing only guesses, WebDataset shards) and it is updated with the rows of each block as it arrives."""
     import time
 
+    from ray_mmbatch.batching.suggest import suggest_budgets
     from ray_mmbatch.dataflow.read import read_raw
 
     t0 = time.perf_counter()
@@ -207,6 +208,7 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
             "video_frames": _percentiles(arr[S.N_FRAMES][with_video]),
             "videos_per_sample": {str(k): int(v) for k, v in zip(*np.unique(arr[S.N_VIDEOS], return_counts=True))}}
            if with_video.any() else {}),
+        "suggested_budgets": suggest_budgets(arr[S.TOKENS], arr[S.N_FRAMES], cfg.budget),
         "wall_s": wall, "samples_per_s": n / wall if wall else 0.0,
         "image_mb_per_s": nbytes / 2**20 / wall if wall else 0.0,
     }

@@ -4,6 +4,7 @@ A backend module defines::
 
     NAME                      registry name ("builtin", "qwen_vl", "llava")
     MODEL_TYPES               HF config.json ``model_type`` values it trains (() for builtin)
+    VIDEO_MODEL_TYPES         (optional) those of MODEL_TYPES whose checkpoints train on video too
     configure(cfg) -> Config  fill the data path's settings from the checkpoint at cfg.model.path:
                               image cost model (resize, patch/merge size, min/max pixels), pixel
                               normalization, tokenizer and image token; refuse contradicting flags
@@ -53,7 +54,10 @@ def backend_module(name: str) -> ModuleType:
 
 
 def checkpoint_model_type(path: str) -> str:
-    """``model_type`` of a local HF checkpoint directory (its config.json)."""
+    """``model_type`` of an HF checkpoint directory (its config.json; a bucket's: this node's copy, formats/fetch.py)."""
+    from ray_mmbatch.formats.fetch import local_checkpoint
+
+    path = local_checkpoint(path)
     cfg_file = Path(path) / "config.json"
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model path {path!r} is not a directory (expected a local Hugging Face "
@@ -64,6 +68,11 @@ def checkpoint_model_type(path: str) -> str:
         return str(json.loads(cfg_file.read_text())["model_type"])
     except (ValueError, KeyError) as e:
         raise ValueError(f"{cfg_file}: cannot read model_type ({e})") from None
+
+
+def video_model_types() -> list[str]:
+    """Every checkpoint ``model_type`` that trains on video, from the registry (each backend's VIDEO_MODEL_TYPES)."""
+    return [t for name in REGISTRY for t in getattr(backend_module(name), "VIDEO_MODEL_TYPES", ())]
 
 
 def backend_name(model_cfg) -> str:
@@ -132,8 +141,24 @@ def outermost_blocks(model, is_block, skip=()) -> list:
 
 
 def configure(cfg):
-    """``cfg`` with its backend's settings applied (a checkpoint's image / text settings); idempotent."""
-    return get_backend(cfg).configure(cfg)
+    """``cfg`` with its backend's settings applied (a checkpoint's image / text settings); idempotent.
+
+    A checkpoint in a bucket (``--model s3://...``) is read from this node's copy (formats/fetch.py); the
+    config keeps the URI (and names it as the tokenizer), so every node opens its own copy."""
+    from ray_mmbatch.formats.fetch import local_checkpoint
+
+    uri = cfg.model.path
+    local = local_checkpoint(uri)
+    if local == uri:
+        return get_backend(cfg).configure(cfg)
+    cfg.model.path = local
+    try:
+        cfg = get_backend(cfg).configure(cfg)
+    finally:
+        cfg.model.path = uri
+    if cfg.text.tokenizer == local:
+        cfg.text.tokenizer = uri
+    return cfg
 
 
 def token_ids(cfg) -> dict[str, int]:

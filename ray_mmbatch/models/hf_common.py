@@ -223,7 +223,10 @@ def load_hf_model(path: str, attn_implementation: str = "auto", device_type: str
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)
         kwargs["device_map"] = {"": torch.cuda.current_device()}
-    return AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32, attn_implementation=impl, **kwargs)
+    from ray_mmbatch.formats.fetch import local_checkpoint  # a bucket's checkpoint: this node's copy
+
+    return AutoModelForImageTextToText.from_pretrained(local_checkpoint(path), dtype=torch.float32,
+                                                       attn_implementation=impl, **kwargs)
 
 
 TOKENIZER_HINT = ("use the checkpoint's tokenizer and its own chat template (text.chat_template='auto'), which adds "
@@ -433,7 +436,9 @@ def export_hf(model: nn.Module, cfg, directory, state_dict: dict | None = None) 
     hf = getattr(hf, "hf_model", hf)
     hf.save_pretrained(d, state_dict=state_dict)
     tokenizer_for(cfg.text).save_pretrained(d)
-    src = Path(cfg.model.path)
+    from ray_mmbatch.formats.fetch import local_checkpoint
+
+    src = Path(local_checkpoint(cfg.model.path))
     for name in _SIDE_FILES:
         if (src / name).is_file() and not (d / name).exists():
             shutil.copyfile(src / name, d / name)

@@ -49,6 +49,8 @@ from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "llava_onevision"
 MODEL_TYPES: tuple[str, ...] = ("llava_onevision",)
+VIDEO_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES
+"""The model types whose checkpoints train on video too (models.video_model_types)."""
 # the rest of the backend protocol (models/__init__.py) is the same for every HF family; export: save_pretrained
 # of model + tokenizer, the checkpoint's processor files copied
 fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export

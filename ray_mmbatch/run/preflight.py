@@ -82,11 +82,7 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         if not is_dir:
             raise PreflightError(f"data: --image-root {d.image_root!r} is not a folder")
 
-    try:
-        cfg = _configured(cfg)
-    except Exception as e:  # a checkpoint dir that is not one, a tokenizer that does not load
-        what = f"model {cfg.model.path!r}" if cfg.model.path else f"tokenizer {cfg.text.tokenizer or '(built-in)'!r}"
-        raise PreflightError(f"model: {what} does not load: {_one_line(e)}") from None
+    cfg = configure_run(cfg)
 
     rows, read_as = _first_rows(cfg, samples, fmt)
     reasons = [SkipRecord.of(r[S.SAMPLE_ID], r[S.SKIP_REASON]) for r in rows if r[S.SKIP_REASON]]
@@ -99,11 +95,21 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
     return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons), "read_as": read_as}
 
 
-def _configured(cfg: Config) -> Config:
+def configure_run(cfg: Config) -> Config:
+    """A copy of ``cfg`` configured as ``train`` configures it (``models.configure``: the checkpoint's tokenizer,
+    chat template, image and video processor settings), its tokenizer loaded once to check it; PreflightError
+    with one line when the checkpoint or tokenizer does not load or a flag contradicts it. Every command that
+    measures (inspect, tune, plan, verify-packing) builds its config here, so it measures with the model."""
     from ray_mmbatch.models import configure, token_ids
 
-    cfg = configure(copy.deepcopy(cfg))
-    token_ids(cfg)
+    try:
+        cfg = configure(copy.deepcopy(cfg))
+        token_ids(cfg)
+    except ValueError as e:  # a flag the checkpoint contradicts, a model_type without a backend: its own line
+        raise PreflightError(f"model: {_one_line(e, with_type=False)}") from None
+    except Exception as e:  # a checkpoint dir that is not one, a tokenizer that does not load
+        what = f"model {cfg.model.path!r}" if cfg.model.path else f"tokenizer {cfg.text.tokenizer or '(built-in)'!r}"
+        raise PreflightError(f"model: {what} does not load: {_one_line(e)}") from None
     return cfg
 
 
@@ -156,6 +162,7 @@ def checkpoint_family(cfg: Config) -> str:
         return cfg.model.path
 
 
-def _one_line(e: BaseException) -> str:
+def _one_line(e: BaseException, with_type: bool = True) -> str:
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    first = text[0] if text else ""
+    return f"{type(e).__name__}: {first}" if with_type else first

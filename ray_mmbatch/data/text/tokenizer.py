@@ -34,7 +34,9 @@ def load_tokenizer(path: str = "", chat_template: str = "auto"):
     """
     if chat_template not in ("auto", "plain"):
         raise ValueError(f"chat_template must be 'auto' or 'plain', got {chat_template!r}")
-    return _load_tokenizer(str(path or SHIPPED_TOKENIZER), chat_template)
+    from ray_mmbatch.formats.fetch import local_checkpoint  # a tokenizer in a bucket: this node's copy
+
+    return _load_tokenizer(str(local_checkpoint(str(path or "")) or SHIPPED_TOKENIZER), chat_template)
 
 
 _TEMPLATE_MODE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
