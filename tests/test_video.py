@@ -364,7 +364,7 @@ def qwen2(tmp_path_factory):
 
 @pytest.mark.ray
 def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budget(ray_cluster, clips, qwen2,
-                                                                                   tmp_path):
+                                                                                   tmp_path, monkeypatch):
     """LLaVA-Video-style JSON (video, image, both, text, a broken clip) through read -> measure -> plan ->
     materialize on Ray under --max-tokens and --max-frames: every sample once (trained or skipped with its
     reason), no batch over a budget, and a batch's decoded video pixels bounded by its frames."""
@@ -430,10 +430,18 @@ def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budge
     assert len(trained) == len(set(trained))
     assert batches > sum(frames.values()) // cfg.budget.max_frames  # the frame budget split the clips
 
-    # inspect on the same data: the video figures per sample, the clips decoded and checked against measure
-    from ray_mmbatch.dataflow.inspection import inspect_dataset
+    # `inspect --model` on the same data: the video figures per sample, the clips decoded and checked against
+    # measure, with the checkpoint's video processor (the command configures it as train does)
+    from ray_mmbatch.commands import inspect_data
+    from ray_mmbatch.run import raylogs
 
-    report = inspect_dataset(cfg)
+    monkeypatch.setattr(raylogs, "_filter_stderr", lambda: None)  # keep pytest's fd 2 (the command pipes it)
+    monkeypatch.setattr(raylogs, "_state", dict(raylogs._state))
+    monkeypatch.setenv("RAY_MMBATCH_QUIET", "1")
+    assert inspect_data.main(["--model", str(qwen2.path), "--data", cfg.data.path, "--max-tokens", "1024",
+                              "--max-frames", "24", "--json", str(tmp_path / "inspect.json")]) == 0
+    report = json.loads((tmp_path / "inspect.json").read_text())
+    assert report["model"]["model_type"] == "qwen2_vl" and report["model"]["video"]["processor"] == "qwen2_vl"
     with_video = [k for k in range(24) if k % 4 in (0, 1)]
     assert report["samples_read"] == 25 and report["skipped"] == {short["bad"]: 1}
     assert report["length_mismatch"] == 0 and report["pixels_decoded"]
@@ -443,6 +451,8 @@ def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budge
     assert report["video_frames"]["max"] == max(frames.values())
     video_tokens = [plan_video(clips.data[names[k % len(names)]], cfg.image).tokens for k in with_video]
     assert report["video_tokens"]["sum"] == sum(video_tokens)
+    frames_fit = report["suggested_budgets"]["max_frames"][0]
+    assert frames_fit["oversize"] == 0 and max(frames.values()) <= frames_fit["value"] < max(frames.values()) + 8
 
 
 def test_preflight_names_the_family_that_takes_no_video(clips, tmp_path):
