@@ -7,8 +7,9 @@ contract: ``forward(batch, loss_only=True) -> (ce_sum fp32, n_target)`` on the d
 worker receives (batching/collate.py layout, as tensors). A backend supplies ``adapter(batch)
 -> kwargs`` for the HF base model (``hf_model.model``) and the vision submodules. The loss is
 ours, not HF's: our labels are already shifted (labels[t] is the target of position t), and
-only target positions go through the LM head, so a 16k-token pack never makes [T, V] logits;
-normalization across micro-batches and ranks stays train/step.py's (sum here, divide there).
+only target positions go through the LM head, a bounded chunk at a time (models/loss.py), so a
+16k-token pack never makes [T, V] logits; normalization across micro-batches and ranks stays
+train/step.py's (sum here, divide there).
 ``use_cache=False`` always: with a cache HF stops detecting packed sequences and attention
 crosses samples.
 
@@ -27,10 +28,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ray_mmbatch.models import HF_STATE_PREFIX
 from ray_mmbatch.models.inputs import as_torch
+from ray_mmbatch.models.loss import LOSS_CHUNK_TOKENS, target_cross_entropy
 from ray_mmbatch.schema import IGNORE_INDEX
 
 # files of a checkpoint dir that describe the tokenizer / processor (copied on export)
@@ -366,6 +367,7 @@ class HFModel(nn.Module):
         self._adapter = adapter
         self._vision = vision
         self.backend_name = backend_name
+        self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
 
     def vision_modules(self) -> list[nn.Module]:
         """The vision submodules (the backend's ``vision``): a batch without images does not run them."""
@@ -378,10 +380,9 @@ class HFModel(nn.Module):
         return kwargs
 
     def _target_ce(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
-        """CE of the target positions only (our labels are already shifted); fp32 even under autocast."""
-        is_target = labels != IGNORE_INDEX
-        logits = self.hf_model.lm_head(hidden[is_target]).float()
-        return F.cross_entropy(logits, labels[is_target].long(), reduction=reduction)
+        """CE of the target positions only (our labels are already shifted); fp32 even under autocast, the
+        logits of at most ``loss_chunk_tokens`` targets at once (models/loss.py)."""
+        return target_cross_entropy(self.hf_model.lm_head, hidden, labels, reduction, self.loss_chunk_tokens)
 
     def target_ce(self, batch: dict) -> torch.Tensor:
         """fp32 CE of every target token, in sequence order (row-major over the batch): for exactness checks."""

@@ -12,9 +12,9 @@ Forward over one batch (see batching/collate.py for the layout)::
 ``mode == "pad"``:  layout = causal + key padding from ``attention_mask``.
 
 ``forward(batch, loss_only=True)`` returns ``(ce_sum fp32, n_target)`` and
-projects only the target positions through the head, so a 4096-token pack never
-materializes [T, V] logits (labels are already shifted: labels[t] is the target
-of position t).
+projects only the target positions through the head, a bounded chunk at a time
+(models/loss.py), so a 4096-token pack never materializes [T, V] logits (labels
+are already shifted: labels[t] is the target of position t).
 
 Size: set by ModelConfig and the tokenizer's vocabulary (``build_model``). Packed
 attention runs per group of similar-length samples (models/builtin/attention.py),
@@ -34,6 +34,7 @@ from ray_mmbatch.models.builtin.decoder import Decoder
 from ray_mmbatch.models.builtin.layers import init_weights
 from ray_mmbatch.models.builtin.vision import VisionEncoder
 from ray_mmbatch.models.inputs import as_torch
+from ray_mmbatch.models.loss import LOSS_CHUNK_TOKENS, target_cross_entropy
 from ray_mmbatch.schema import IGNORE_INDEX
 
 MODES = ("pack", "pad")
@@ -64,6 +65,7 @@ class VisionLanguageModel(nn.Module):
             raise ValueError(f"unknown attention backend {model_cfg.attention!r}; choose one of {BACKENDS}")
         self.vocab_size, self.image_token_id, self.pad_id = vocab_size, image_token_id, pad_id
         self.attention = model_cfg.attention
+        self.loss_chunk_tokens = LOSS_CHUNK_TOKENS
         d = model_cfg.d_model
         self.embed = nn.Embedding(vocab_size, d)
         self.vision = VisionEncoder(image_cfg.patch_size, image_cfg.merge_size, model_cfg.vision_d_model,
@@ -83,7 +85,7 @@ class VisionLanguageModel(nn.Module):
         hidden = self.hidden_states(batch)
         if loss_only:
             return self.target_loss_sum(hidden, batch["labels"])
-        return F.linear(hidden, self.embed.weight)
+        return self.head(hidden)
 
     def hidden_states(self, batch: dict) -> torch.Tensor:
         mode = batch_mode(batch)
@@ -105,11 +107,14 @@ class VisionLanguageModel(nn.Module):
         return self.vision(batch["patches"], batch["image_grid_thw"], batch["vision_cu_seqlens"])
 
     def target_loss_sum(self, hidden: torch.Tensor, labels: torch.Tensor):
-        is_target = labels != IGNORE_INDEX
-        targets = labels[is_target].long()
-        logits = F.linear(hidden[is_target], self.embed.weight).float()   # fp32 CE even under autocast
-        ce_sum = F.cross_entropy(logits, targets, reduction="sum")
-        return ce_sum, is_target.sum()
+        """(fp32 CE sum of the targets, their count); the tied head's logits of at most ``loss_chunk_tokens``
+        targets at once (models/loss.py)."""
+        ce_sum = target_cross_entropy(self.head, hidden, labels, "sum", self.loss_chunk_tokens)
+        return ce_sum, (labels != IGNORE_INDEX).sum()
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied LM head: logits = hidden @ embed.weight.T."""
+        return F.linear(hidden, self.embed.weight)
 
     def _splice_images(self, x: torch.Tensor, ids: torch.Tensor, batch: dict) -> torch.Tensor:
         is_image = ids == self.image_token_id
