@@ -14,7 +14,8 @@ from test_bad_data import CONV, conversations_table, raw_rows, trained_and_skipp
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config, DataConfig
 from ray_mmbatch.data.split import eval_source
-from ray_mmbatch.formats import filters, splits
+from ray_mmbatch.formats import filters
+from ray_mmbatch.formats.data_patterns import DEFAULT_PATTERNS_ALL, data_patterns
 from ray_mmbatch.formats.sources import data_sources
 from ray_mmbatch.formats.units import listing_summary, read_units
 
@@ -29,14 +30,17 @@ def _split_folder(root, layout=(("train-00000-of-00002", 3), ("train-00001-of-00
 
 
 @pytest.mark.parametrize("rel, split", [
-    ("data/train-00000-of-00002.parquet", "train"), ("data/test-00000-of-00001.parquet", "test"),
-    ("validation-00003-of-00010.parquet", "validation"), ("train_sft-00000-of-00001.parquet", "train_sft"),
-    ("valid/0000.parquet", "validation"), ("dev.jsonl", "validation"), ("train.json", "train"),
-    ("cfg/eval/part-1.parquet", "test"), ("data-00000-of-00002.arrow", None), ("data/shard-1.parquet", None),
-    ("trainer_logs/x.parquet", None), ("contest.parquet", None),
+    ("data/train-00000-of-00002.parquet", ["train"]), ("data/test-00000-of-00001.parquet", ["test"]),
+    ("validation-00003-of-00010.parquet", ["validation"]), ("data/train_sft-00000-of-00001.parquet", ["train_sft"]),
+    ("train_sft-00000-of-00001.parquet", ["train"]),  # not under data/: the keyword rule, as HF reads it
+    ("valid/0000.parquet", ["validation"]), ("dev.jsonl", ["validation"]), ("train.json", ["train"]),
+    ("cfg/eval/part-1.parquet", ["test"]), ("data-00000-of-00002.arrow", None), ("data/shard-1.parquet", None),
+    ("trainer_logs/x.parquet", None), ("contest.parquet", None), ("train2017/0.parquet", ["train"]),
+    ("llava_test.parquet", ["test"]), ("Train.jsonl", None),
 ])
-def test_split_of_follows_the_hub_names(rel, split):
-    assert splits.split_of(rel) == split
+def test_a_lone_file_names_its_split_as_hf_datasets_does(rel, split):
+    patterns = data_patterns([rel])
+    assert (None if patterns == DEFAULT_PATTERNS_ALL else list(patterns)) == split
 
 
 def test_split_trap_trains_the_train_split_only_and_evaluates_another(tmp_path):
@@ -54,7 +58,9 @@ def test_split_trap_trains_the_train_split_only_and_evaluates_another(tmp_path):
     ev, _ = eval_source(cfg)
     assert len(raw_rows(ev.data.path, ev.data)) == 3
     summary = listing_summary(read_units(str(tmp_path), DataConfig()), DataConfig(path=str(tmp_path)))
-    assert summary["splits"] == {str(tmp_path): {"found": {"test": 1, "train": 2, "validation": 1}, "read": "train"}}
+    assert summary["splits"] == {str(tmp_path): {
+        "found": {"test": 1, "train": 2, "validation": 1}, "read": "train", "left_out": {"validation": 1, "test": 1},
+        "left_out_files": ["data/validation-00000-of-00001.parquet", "data/test-00000-of-00001.parquet"]}}
     only = tmp_path / "only"  # a held-out folder whose files all say train: its one split is the held-out set
     _split_folder(only, (("train-00000-of-00001", 4),))
     cfg.data.eval_data = str(only)
@@ -152,7 +158,9 @@ def test_inspect_reports_layout_splits_and_filtered(ray_cluster, tmp_path):
     cfg.data = DataConfig(path=str(tmp_path), filter="score >= 2")
     out = inspect_dataset(cfg)
     assert out["read_as"] == ["conversations [{from, value}] + images list<Image>"]
-    assert out["splits"][str(tmp_path)] == {"found": {"test": 1, "train": 2, "validation": 1}, "read": "train"}
+    assert out["splits"][str(tmp_path)] == {
+        "found": {"test": 1, "train": 2, "validation": 1}, "read": "train", "left_out": {"validation": 1, "test": 1},
+        "left_out_files": ["data/validation-00000-of-00001.parquet", "data/test-00000-of-00001.parquet"]}
     # file 0 has no 'score' column: one skipped file, named; file 1 keeps rows 1, 2 and 3 (a filtered count
     # unlike the rows read: the two were once mixed up, samples_read 19 / ok 25 / skipped -6 on a docs example)
     assert out["filtered"] == 1 and out["samples_read"] == 3 and out["skipped_files"] == 1

@@ -27,14 +27,16 @@ import os
 
 import pyarrow as pa
 
-from ray_mmbatch.formats import arrow, fs, llava, parquet, splits, webdataset
+from ray_mmbatch.formats import arrow, data_patterns, fs, llava, parquet, splits, webdataset
 from ray_mmbatch.formats.records import rows_to_table
 
 FORMATS = {"parquet": parquet, "webdataset": webdataset, "llava": llava, "arrow": arrow}
 _GLOB = "*?["
 # 'auto' on a folder: a LLaVA index first, then the first format (in this order) with files there
-# (of the chosen split, img2dataset's bookkeeping left out), then one JSON / JSON Lines file.
+# (of the chosen split, img2dataset's bookkeeping left out), then the JSON / JSON Lines files.
 _AUTO_ORDER = ("parquet", "arrow", "webdataset")
+# JSON beside data that is never records: the datasets library's metadata, ray-mmbatch prepare's manifest
+NOT_JSON_DATA = data_patterns.FILES_TO_IGNORE | frozenset(splits.NOT_DATA) | {"state.json"}
 
 
 def _glob(pattern: str) -> tuple[str, list[str]]:
@@ -98,16 +100,16 @@ def resolve(location: str, fmt: str = "auto", split: str = "train") -> tuple[str
         skip = _bookkeeping(every)
         every = splits.select(root, [f for f in every if f not in skip], split)
         for candidate in (_AUTO_ORDER if fmt == "auto" else (fmt,)):
-            if candidate not in FORMATS:
+            if candidate not in FORMATS or candidate == "llava":  # below, its metadata files left out
                 continue
             files = [f for f in every if f.lower().endswith(FORMATS[candidate].EXTS)]
             if files:
                 return candidate, root, files
-        if fmt in ("auto", "llava"):  # a JSON / JSON Lines file of the split ("train.jsonl")
-            files = [f for f in every if f.lower().endswith(llava.EXTS)]
-            if len(files) == 1:
+        if fmt in ("auto", "llava"):  # the JSON / JSON Lines files of the split ("train.jsonl", "x.dev.jsonl")
+            files = [f for f in every if f.lower().endswith(llava.EXTS) and os.path.basename(f) not in NOT_JSON_DATA]
+            if files:
                 return "llava", root, files
-        want = fmt if fmt != "auto" else "data.json, *.parquet, *.arrow or *.tar"
+        want = fmt if fmt != "auto" else "data.json, *.parquet, *.arrow, *.tar, *.json or *.jsonl"
         raise ValueError(f"{location!r} holds no {want} files")
     else:
         root, files = fs.dirname(location), [location]

@@ -1,4 +1,5 @@
-"""LLaVA JSON: one ``.json`` list (or ``.jsonl``, one record a line) of records + an image folder.
+"""LLaVA JSON: one ``.json`` list (or ``.jsonl``, one record a line) of records + an image folder; a folder
+of such files (split by name as formats/splits.py splits it) is one dataset, its files read in turn.
 
 Record: {"id"?, "image": "rel/path.jpg" | [...] (or "images"), "video": "rel/clip.mp4" | [...] (or "videos",
 LLaVA-Video-178K), "conversations" | "messages"} (conversations may also be a JSON string). A video file is
@@ -23,9 +24,9 @@ files are opened (a FIFO would hang). A path ``A/x.jpg`` that is not a file ther
 archive ``A.zip`` in the root (formats/archives.py); when ``A.tar.gz`` lies there instead, the skip
 names it and the command that extracts it, and listing warns once about such archives.
 
-Id scheme: ``<file relative to its folder>:<record index>``, plus ``#<id>`` when the record
-has one: a repeated user id (common in merged sets; ``1`` and ``"1"`` too) stays two samples
-and stays readable. One warning per file names how many records repeat an id, with examples
+Id scheme: ``<file name>:<record index>`` (a folder of several files: the file relative to the folder),
+plus ``#<id>`` when the record has one: a repeated user id (common in merged sets; ``1`` and ``"1"`` too)
+stays two samples and stays readable. One warning per file names how many records repeat an id, with examples
 (counted while listing: 8 bytes a record; JSON Lines files over IDS_MAX_LINES_BYTES are not
 parsed on the driver, so they are not checked and the log says so).
 Pure module: no ray.
@@ -88,33 +89,39 @@ def _warn_unextracted(image_root: str) -> None:
 
 
 def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
-    if len(files) != 1:
-        raise ValueError(f"LLaVA format reads one JSON file, got {len(files)}: {files[:3]}")
-    image_root = data_cfg.image_root or fs.dirname(files[0])
-    _warn_unextracted(image_root)
-    return file_units(files[0], image_root)
+    """The units of each JSON / JSONL file in turn (a folder of them is one dataset, formats.resolve). With one
+    file, ids start with its name; with several, with its path relative to the dataset root (unique)."""
+    for image_root in sorted({data_cfg.image_root or fs.dirname(f) for f in files}):  # once a folder: it lists it
+        _warn_unextracted(image_root)
+    units = []
+    for location in files:
+        units += file_units(location, data_cfg.image_root or fs.dirname(location),
+                            rel=fs.relative(location, root) if len(files) > 1 else None)
+    return units
 
 
-def file_units(location: str, image_root: str, chunk: int = CHUNK, block: int = json_stream.BLOCK) -> list[dict]:
-    """The read units of one JSON / JSONL file: byte ranges of ``chunk`` records (+ the broken tail's unit).
+def file_units(location: str, image_root: str, chunk: int = CHUNK, block: int = json_stream.BLOCK,
+               rel: str | None = None) -> list[dict]:
+    """The read units of one JSON / JSONL file: byte ranges of ``chunk`` records (+ the broken tail's unit);
+    ``rel`` names the file in ids (default: its name).
 
     A file of CACHE_MIN_BYTES or more is listed once per process while its size and modification time
     stand (the driver lists a dataset several times before the first step: pre-flight, the listing
     digest, the pipeline); the last CACHE_FILES listings are kept (about 50 bytes a unit)."""
     fs_, path = fs.split(location)
     info = fs_.get_file_info(path)
-    key = (location, image_root, chunk, block, info.size, info.mtime_ns)
+    key = (location, image_root, chunk, block, info.size, info.mtime_ns, rel)
     if (info.size or 0) < CACHE_MIN_BYTES:
-        return _file_units(location, image_root, chunk, block)
+        return _file_units(location, image_root, chunk, block, rel)
     if key not in _listed:
-        _listed[key] = _file_units(location, image_root, chunk, block)
+        _listed[key] = _file_units(location, image_root, chunk, block, rel)
         while len(_listed) > CACHE_FILES:
             _listed.pop(next(iter(_listed)))
     return [dict(u) for u in _listed[key]]
 
 
-def _file_units(location: str, image_root: str, chunk: int, block: int) -> list[dict]:
-    rel = fs.relative(location, fs.dirname(location))
+def _file_units(location: str, image_root: str, chunk: int, block: int, rel: str | None = None) -> list[dict]:
+    rel = rel or fs.relative(location, fs.dirname(location))
     lines = location.lower().endswith(".jsonl")
     ids = None if lines and fs.size(location) > IDS_MAX_LINES_BYTES else json_stream.IdTally()
     if ids is None:

@@ -1,71 +1,58 @@
-"""Splits and configs of a folder laid out as the Hugging Face Hub lays datasets out.
+"""Splits and configs of a folder laid out as the Hugging Face Hub and hand-made sets lay datasets out.
 
-A folder from ``huggingface_hub.snapshot_download`` or ``git clone`` holds its splits side by side::
+Which file is which split is decided as HF ``datasets`` decides it (formats/data_patterns.py, its data-file
+patterns reimplemented and tested against the library): ``data/{split}-NNNNN-of-NNNNN*`` shards (custom
+splits such as ``train_sft`` keep their name), else a keyword folder (``train/``, ``train2017/``,
+``images_val/``), else a keyword in the file name after a separator (``llava_test.parquet``,
+``my-dataset.dev.jsonl``, ``cc3m-validation-0000.tar``, ``test_0.jsonl``); a folder with none is read whole,
+whatever the split. Reading every file would train on the test and validation splits: ``select`` keeps the
+files of the chosen split (``data.split``, ``--split``, default "train"; ``PATH#split=NAME``;
+``--eval-data`` reads the validation split, else the test split, else a folder's only split, and warns
+when that is train) and never lists the others to a reader. A split asked for by an alias (``--split dev``)
+is the split HF names (validation), unless the shards gave the folder a split of that very name.
 
-    data/train-00000-of-00002.parquet      split "train"  (push_to_hub's {split}-NNNNN-of-NNNNN)
-    data/test-00000-of-00001.parquet       split "test"
-    validation/0000.parquet                split "validation" (a folder named after a split)
-    train.jsonl                            split "train"  (a file named after a split)
-    ai2d(cauldron,llava_format)/train-*    config "ai2d(cauldron,llava_format)", split "train"
+Only data files (DATA_EXTS) decide, so a LLaVA JSON beside ``coco/train2017/*.jpg`` is not outvoted by its
+images. In a folder with split names, data files no pattern matches are not read (HF does not read them
+either); one warning names them and the other splits' files left out, and ``listing_summary``
+(formats/units.py, what ``inspect`` prints) lists them. A ``save_to_disk`` DatasetDict
+(``dataset_dict.json``) has one folder per split, as ``load_from_disk`` reads it.
 
-Reading every file would train on the test and validation splits. ``select`` keeps the files of the
-chosen split (``data.split``, ``--split``, default "train"; ``PATH#split=NAME``; ``--eval-data``
-reads the validation split, else the test split, else a folder's only split, unless it names one)
-and never lists the others to a reader; a folder with no split names is read whole, as before. Like HF ``datasets``
-(its data_files patterns), the keywords are aliases: validation = valid / val / dev, test = testing /
-eval / evaluation, train = training; a ``{name}-NNNNN-of-NNNNN`` file keeps its own name (custom
-splits such as ``train_sft``). In a folder with split names, files that name no split are not read
-(as HF reads it), and a warning names them. A ``save_to_disk`` DatasetDict (``dataset_dict.json``)
-has one folder per split. ``data-NNNNN-of-NNNNN.arrow`` (save_to_disk's shards) names no split.
-
-Configs: a folder whose top-level subfolders each hold data files (and are not split or ``data``
-folders) is a dataset of configs (The Cauldron, FineVision, LLaVA-OneVision-Data): ``expand``
-makes it one source per config, named after its folder (brackets and commas included), so configs
-blend by weight like any sources (formats/sources.py); ``PATH#config=NAME`` or a source's
-``config: NAME`` reads one. Pure module: no ray.
+Configs: a folder whose top-level subfolders each hold data files (and are not split or ``data`` folders)
+is a dataset of configs (The Cauldron, FineVision, LLaVA-OneVision-Data): ``expand`` makes it one source
+per config, named after its folder (brackets and commas included), so configs blend by weight like any
+sources (formats/sources.py); ``PATH#config=NAME`` or a source's ``config: NAME`` reads one. Each config
+folder is then split by the rules above. Pure module: no ray.
 """
 from __future__ import annotations
 
 import copy
 import logging
-import re
+from dataclasses import dataclass
 
 from ray_mmbatch.formats import fs
+from ray_mmbatch.formats.data_patterns import (
+    DEFAULT_PATTERNS_ALL,
+    DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME,
+    SPLIT_KEYWORDS,
+    candidate,
+    data_files,
+    data_patterns,
+    matcher,
+)
 
 log = logging.getLogger("ray_mmbatch.formats")
-ALIASES = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
-           "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
-           "evaluation": "test"}
+ALIASES = {kw: split for split, kws in SPLIT_KEYWORDS.items() for kw in kws}
 DATA_EXTS = (".parquet", ".arrow", ".tar", ".json", ".jsonl", ".tar.gz", ".tgz")
 #: files beside the data that are never a split's data (ray-mmbatch prepare's manifest)
 NOT_DATA = ("manifest.json",)
-_warned: set = set()  # (root, files) told once per process: a run lists its data several times
-_SHARDED = re.compile(r"^(?P<split>[A-Za-z0-9_.]+?)-\d+-of-\d+\.")
-_KEYWORD = re.compile(r"^(?P<split>[A-Za-z]+)(?:[-._ 0-9]|$)")
-NOT_SPLITS = frozenset({"data"})  # save_to_disk's data-NNNNN-of-NNNNN.arrow, the Hub's data/ folder
+NOT_SPLITS = frozenset({"data"})  # the Hub's data/ folder is not a config
 HELD_OUT = "held-out"  # --eval-data's default: the folder's validation split, else its test split
+NO_SPLIT = "(no split)"  # left_out's key for the files no pattern matched
+_warned: set = set()  # (root, split, files) told once per process: a run lists its data several times
 
 
 def canonical(name: str) -> str:
     return ALIASES.get(name.lower(), name)
-
-
-def split_of(rel: str, dict_splits: frozenset = frozenset()) -> str | None:
-    """The split a file belongs to by its path relative to the dataset (or config) root, or None."""
-    parts = rel.split("/")
-    if dict_splits and len(parts) > 1 and parts[0] in dict_splits:  # a save_to_disk DatasetDict
-        return parts[0]
-    base = parts[-1]
-    m = _SHARDED.match(base)
-    if m and m.group("split").lower() not in NOT_SPLITS:
-        return canonical(m.group("split"))
-    m = _KEYWORD.match(base)
-    if m and m.group("split").lower() in ALIASES:
-        return ALIASES[m.group("split").lower()]
-    for folder in parts[:-1]:
-        if folder.lower() in ALIASES:
-            return ALIASES[folder.lower()]
-    return None
 
 
 def _dict_splits(root: str, files: list[str]) -> frozenset:
@@ -81,41 +68,94 @@ def _dict_splits(root: str, files: list[str]) -> frozenset:
         return frozenset()
 
 
+def _is_data(rel: str) -> bool:
+    name = rel.rsplit("/", 1)[-1]
+    return rel.lower().endswith(DATA_EXTS) and name not in NOT_DATA
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What ``select`` keeps of a folder's listing: the split read and its files, every split found."""
+    split: str                   # the split read; "" when the folder names none (then every file is read)
+    files: list[str]             # the locations read
+    found: dict[str, list[str]]  # split -> its data files (relative), in HF's order; {} when none is named
+    unsplit: list[str]           # data files (relative) in no split: not read
+
+    def left_out(self) -> dict[str, list[str]]:
+        """{split (or NO_SPLIT): its data files not read}, relative to the folder."""
+        read = set(self.found.get(self.split, ()))
+        out = {s: [r for r in rels if r not in read] for s, rels in self.found.items() if s != self.split}
+        out[NO_SPLIT] = list(self.unsplit)
+        return {s: rels for s, rels in out.items() if rels}
+
+
+def _split_map(root: str, files: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """({split: relative data files} or {} when the folder names no split, [data files in no split])."""
+    rels = [fs.relative(f, root) for f in files]
+    data = [r for r in rels if _is_data(r)]
+    dict_splits = _dict_splits(root, files)
+    if dict_splits:  # a save_to_disk DatasetDict: load_from_disk's one folder per split
+        found = {s: [r for r in data if r.split("/", 1)[0] == s] for s in sorted(dict_splits)}
+    else:
+        patterns = data_patterns(data)
+        found = {} if patterns == DEFAULT_PATTERNS_ALL else data_files(data, patterns)
+    named = {r for rs in found.values() for r in rs}
+    return found, ([r for r in data if r not in named and candidate(r)] if found else [])
+
+
+def _wanted(split: str, found: dict[str, list[str]]) -> str:
+    if split == HELD_OUT:
+        for name in ("validation", "test"):
+            if name in found:
+                return name
+        held = [s for s in found if canonical(s) in ("validation", "test")]
+        return held[0] if held else next(iter(found)) if len(found) == 1 else "validation"
+    return split if split in found else canonical(split or "train")
+
+
+def selection(root: str, files: list[str], split: str) -> Selection:
+    """The ``Selection`` of ``split`` in a folder's listing (ValueError when the folder has no such split)."""
+    found, unsplit = _split_map(root, files)
+    if not found:
+        return Selection("", files, {}, [])
+    want = _wanted(split, found)
+    if want not in found:
+        raise ValueError(f"{root} holds the splits {counts(found)} (named as HF datasets names them) but no "
+                         f"{want!r}: pick one with --split NAME (or PATH#split=NAME)")
+    keep = set(found[want])
+    return Selection(want, [f for f in files if fs.relative(f, root) in keep], found, unsplit)
+
+
+def counts(found: dict[str, list[str]]) -> dict[str, int]:
+    return {s: len(rels) for s, rels in found.items()}
+
+
 def found(root: str, files: list[str]) -> dict[str, int]:
     """{split: data files} of a listing ({} when no file names a split)."""
-    ds = _dict_splits(root, files)
-    out: dict[str, int] = {}
-    for f in files:
-        if f.lower().endswith(DATA_EXTS):
-            s = split_of(fs.relative(f, root), ds)
-            if s:
-                out[s] = out.get(s, 0) + 1
-    return dict(sorted(out.items()))
+    return counts(_split_map(root, files)[0])
 
 
 def select(root: str, files: list[str], split: str) -> list[str]:
-    """The files of ``split`` when the listing names splits; all of them when it names none."""
-    ds = _dict_splits(root, files)
-    named = {f: split_of(fs.relative(f, root), ds) for f in files}
-    data = [f for f in files if f.lower().endswith(DATA_EXTS)]
-    if not any(named[f] for f in data):
+    """The files of ``split`` when the listing names splits; all of them when it names none. Warns once per
+    folder and split naming the files left out, and when --eval-data's held-out set is a train split."""
+    sel = selection(root, files, split)
+    if not sel.split:
         return files
-    want = canonical(split or "train")
-    if want == HELD_OUT:
-        have = found(root, files)
-        want = ("validation" if "validation" in have else "test" if "test" in have
-                else next(iter(have)) if len(have) == 1 else "validation")  # a folder of one split: that one
-    keep = [f for f in files if named[f] == want]
-    if not keep:
-        have = found(root, files)
-        raise ValueError(f"{root} holds the splits {have} (Hub-style file / folder names) but no {want!r}: "
-                         f"pick one with --split NAME (or PATH#split=NAME)")
-    loose = [fs.relative(f, root) for f in data if not named[f] and f.rsplit("/", 1)[-1] not in NOT_DATA]
-    if loose and (root, tuple(loose)) not in _warned:
-        _warned.add((root, tuple(loose)))
-        log.warning("%s: %d data file(s) name no split and are not read (as HF datasets reads a folder with "
-                    "split names), e.g. %s; point --data at them to read them", root, len(loose), loose[:3])
-    return keep
+    gone = sel.left_out()
+    if (gone or split == HELD_OUT and canonical(sel.split) == "train") and (root, split, tuple(files)) not in _warned:
+        _warned.add((root, split, tuple(files)))
+        if split == HELD_OUT and canonical(sel.split) == "train":
+            log.warning("%s: --eval-data reads its split %r, the only one there: the evaluation runs on "
+                        "training data; give a held-out folder, or PATH#split=NAME", root, sel.split)
+        if gone:
+            told = "; ".join(f"{s} {len(r)} file(s), e.g. {', '.join(r[:3])}" for s, r in gone.items())
+            log.warning("%s: reads split %r (%d file(s)) as HF datasets splits the folder; left out: %s. "
+                        "--split NAME (or PATH#split=NAME) reads another split; point --data at files naming "
+                        "no split to read them", root, sel.split, len(sel.files), told)
+    return sel.files
+
+
+_SPLIT_DIR = matcher([p for ps in DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME.values() for p in ps])
 
 
 def configs(root: str, files: list[str] | None = None) -> list[str]:
@@ -134,7 +174,7 @@ def configs(root: str, files: list[str] | None = None) -> list[str]:
         if rel.lower().endswith(DATA_EXTS):
             tops[top] = tops.get(top, 0) + 1
     names = sorted(tops)
-    if len(names) < 2 or any(n.lower() in ALIASES or n.lower() in NOT_SPLITS for n in names):
+    if len(names) < 2 or any(n in NOT_SPLITS or _SPLIT_DIR.match(n + "/x") for n in names):
         return []
     if _dict_splits(root, files):
         return []

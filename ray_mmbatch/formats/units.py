@@ -212,9 +212,10 @@ def _count_one(path: str, data_cfg: DataConfig) -> int:
 
 
 def listing_summary(reader: tuple, data_cfg: DataConfig) -> dict:
-    """What a listing says before any read: how each source is read (formats.read_as), the Hub splits its
-    folder holds and the one read, and the rows --filter leaves out ("filtered", per source)."""
-    from ray_mmbatch.formats import fs, splits
+    """What a listing says before any read: how each source is read (formats.read_as), the splits its folder
+    holds, the one read and the files left out (formats/splits.py), and the rows --filter leaves out
+    ("filtered", per source)."""
+    from ray_mmbatch.formats import fs
     from ray_mmbatch.formats.sources import SOURCE
 
     units, _, kwargs = reader
@@ -229,12 +230,26 @@ def listing_summary(reader: tuple, data_cfg: DataConfig) -> dict:
             out["filtered"][name] = filtered
         try:
             if cfg.path and fs.kind(cfg.path) == "dir":
-                have = splits.found(cfg.path.rstrip("/"), fs.list_files(cfg.path.rstrip("/")))
-                if have:
-                    out["splits"][name or cfg.path] = {"found": have, "read": cfg.split}
-        except OSError:
+                out["splits"].update(_split_summary(name or cfg.path, cfg))
+        except (OSError, ValueError):
             pass
     return out
+
+
+def _split_summary(key: str, cfg: DataConfig) -> dict:
+    """{key: the splits a folder holds (as HF datasets names them), the one read and the files left out}."""
+    from ray_mmbatch.formats import fs, splits
+
+    root = cfg.path.rstrip("/")
+    every = fs.list_files(root)
+    skip = formats._bookkeeping(every)
+    sel = splits.selection(root, [f for f in every if f not in skip], cfg.split)
+    if not sel.found:
+        return {}
+    gone = sel.left_out()
+    told = {"left_out": {s: len(r) for s, r in gone.items()},
+            "left_out_files": [r for rs in gone.values() for r in rs][:10]} if gone else {}
+    return {key: {"found": splits.counts(sel.found), "read": sel.split, **told}}
 
 
 def filtered_counts(data_cfg: DataConfig) -> dict[str, int]:
