@@ -62,21 +62,26 @@ def _running_cluster() -> str | None:
 
 
 def connect(num_cpus: int | None = None) -> None:
-    """Join a running cluster (RAY_ADDRESS, or one from ``ray start``), else start one here."""
+    """Join a running cluster (RAY_ADDRESS, or one from ``ray start``), else start one here.
+
+    A cluster that answers is joined, with the token Ray keeps if it asks for one, or the run stops
+    with the fix (run/cluster.py); only an address where nothing listens, and that RAY_ADDRESS did not
+    name, is stale and gets a cluster started here."""
     if ray.is_initialized():
         return
+    from ray_mmbatch.run.cluster import ClusterError, join_check
+
     kw = dict(log_to_driver=True, configure_logging=False)
     address = _running_cluster()
-    started = False
+    if address and join_check(address) == "dead":
+        if os.environ.get("RAY_ADDRESS"):
+            raise ClusterError(f"RAY_ADDRESS={os.environ['RAY_ADDRESS']}: no Ray cluster listens at {address}; "
+                               "start it (ray start --head / ray up), or unset RAY_ADDRESS to run on this machine")
+        print(f"[ray_mmbatch] no cluster listens at {address} (stale); starting one here", flush=True)
+        address = None
     if address:
-        try:
-            ray.init(address=address, **kw)
-            started = True
-        except ConnectionError:
-            if os.environ.get("RAY_ADDRESS"):
-                raise
-            print(f"[ray_mmbatch] no cluster answers at {address} (stale); starting one here", flush=True)
-    if not started:
+        ray.init(address=address, **kw)
+    else:
         # Actor pools hold their CPU slots for the whole run; with only as many slots as
         # cores (2 here) they can leave the read, a Train worker or a Tune trial no slot
         # and the stream stalls. Logical slots over the core count only let the stages
