@@ -42,3 +42,23 @@ def test_inspect_throughput_prints_the_per_cpu_figure_and_the_cpus_for_the_accel
     assert per_cpu == pytest.approx(r["samples_per_cpu_s"], abs=0.051)
     need = data_cpus(8, 25, r["samples_per_cpu_s"])
     assert f"8 accelerator(s) x 25.0 samples/s each -> {need:.2f} data CPUs, i.e. {math.ceil(need)}" in out
+
+
+def test_inspect_throughput_prepares_the_samples_for_the_model(tmp_path, capsys):
+    """--throughput --model: the samples go through the checkpoint's tokenizer and image processor (its mean
+    tokens are the checkpoint's, not the built-in model's), and the report names the family."""
+    from ray_mmbatch.commands import inspect_data
+    from ray_mmbatch.synthetic.generate import generate_dataset
+    from tests.hf_checkpoints import make_qwen_checkpoint
+
+    generate_dataset(str(tmp_path / "d"), 60, "parquet", seed=4, shard_size=60, workers=1)
+    ckpt = make_qwen_checkpoint(tmp_path / "qwen", "qwen2_vl")  # at most 64 tokens an image
+    means = {}
+    for name, extra in (("builtin", []), ("qwen2_vl", ["--model", str(ckpt)])):
+        assert inspect_data.main(["--data", str(tmp_path / "d"), "--throughput", "--throughput-samples", "40",
+                                  "--json", str(tmp_path / f"{name}.json")] + extra) == 0
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        assert report["model"]["model_type"] == ("the built-in model" if name == "builtin" else name)
+        means[name] = report["mean_tokens"]
+    assert "prepared for qwen2_vl (qwen_vl backend)" in capsys.readouterr().out
+    assert means["qwen2_vl"] < means["builtin"]

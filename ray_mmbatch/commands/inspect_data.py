@@ -129,8 +129,9 @@ def _throughput(cfg, args) -> int:
     if per_accelerator is None and args.tokens_per_accelerator and result["mean_tokens"]:
         per_accelerator = args.tokens_per_accelerator / result["mean_tokens"]
     result["sizing"] = {"accelerators": args.accelerators, "samples_per_accelerator": per_accelerator}
-    print("[inspect] throughput on this data\n" + format_sizing(result, args.accelerators, per_accelerator),
-          flush=True)
+    result["model"] = model = model_summary(cfg)
+    print(f"[inspect] throughput on this data, prepared for {model['model_type']} ({model['backend']} backend)\n"
+          + format_sizing(result, args.accelerators, per_accelerator), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
