@@ -24,8 +24,29 @@ FLAGS: dict[str, str] = cli_flags()
 
 
 def _field_doc(section_cls: type, name: str) -> str:
-    """The docstring written under a dataclass field (config.py's convention)."""
-    return _field_docs(section_cls).get(name, "")
+    """The docstring written under a dataclass field (config.py's convention), with the registry lists it names
+    (``{backends}``, ``{video_families}``) filled in: ``--help`` and the flags page both read it here."""
+    doc = _field_docs(section_cls).get(name, "")
+    for placeholder, listing in REGISTRY_LISTS.items():
+        if placeholder in doc:  # filled on demand: the video list imports every backend (the built-in one: torch)
+            doc = doc.replace(placeholder, ", ".join(f"'{name}'" for name in listing()))
+    return doc
+
+
+def _backends() -> list[str]:
+    from ray_mmbatch.models import REGISTRY
+
+    return list(REGISTRY)
+
+
+def _video_families() -> list[str]:
+    from ray_mmbatch.models import video_model_types
+
+    return video_model_types()
+
+
+#: placeholders a config docstring may hold -> the registry's names that replace them (so the lists never drift)
+REGISTRY_LISTS = {"{backends}": _backends, "{video_families}": _video_families}
 
 
 @functools.cache

@@ -89,11 +89,11 @@ class ImageConfig:
     anyres_features: int = 0
     """resize='anyres': vision features per tile side (the tower's image_size // patch size; 27 at 384 / 14)."""
     video: str = ""
-    """Which video processor the cost model and pixels follow (data/video.py): '' = the family takes no video
-    (a video sample stops the run at start, naming the family), 'qwen2_vl' (HF Qwen2VLVideoProcessor: Qwen2-VL,
-    Qwen2.5-VL), 'qwen3_vl' (HF Qwen3VLVideoProcessor: its pixel bounds cover the whole clip, timestamps in the
-    text). A ``--model`` checkpoint sets it, and the video_* settings below, from its
-    video_preprocessor_config.json (else preprocessor_config.json, as HF falls back)."""
+    """The HF video processor the cost model and pixels follow (data/video.py), named by the model_type it is
+    written for ('qwen2_vl' serves qwen2_5_vl too; 'qwen3_vl': the pixel bounds cover the whole clip, timestamps
+    in the text). A ``--model`` checkpoint of a family that trains on video ({video_families}) sets it, and the
+    video_* settings below, from its video_preprocessor_config.json (else preprocessor_config.json, as HF falls
+    back). '' = the family takes no video: a video sample stops the run at start, naming the family."""
     video_sample_frames: bool = False
     """HF ``do_sample_frames``: sample frames by video_fps / video_num_frames; False = every frame of the clip
     (Qwen2-VL's processor default)."""
@@ -189,7 +189,7 @@ class ModelConfig:
     """A local Hugging Face checkpoint directory (config.json + weights + tokenizer + preprocessor_config.json);
     empty = the small built-in model, trained from scratch."""
     backend: str = flag("--backend", "auto")
-    """Model backend (models/ registry): 'builtin', 'qwen_vl', 'llava'; 'auto' = from the checkpoint's model_type."""
+    """Model backend (models/ registry): {backends}; 'auto' = from the checkpoint's model_type."""
     gradient_checkpointing: bool = flag("--gradient-checkpointing", False)
     """Recompute activations in the backward pass (HF models): less memory, ~30% more compute."""
     attn_implementation: str = flag("--attn-implementation", "auto")

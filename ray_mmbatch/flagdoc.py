@@ -55,6 +55,24 @@ def config_rows() -> dict[str, list[tuple[str, str, str, str]]]:
     return out
 
 
+#: a default a command's help states itself ("(default: cuda if any)"): what holds wherever the page is read
+_STATED_DEFAULT = re.compile(r"\(default: ([^()]*)\)")
+
+
+def command_default(action: argparse.Action, help_text: str) -> str:
+    """A command flag's default as ``--help`` states it: the help's own "(default: ...)" text where it has one
+    (``verify-packing --device``'s parser default is this machine's, ``cuda if any`` is everyone's), else the
+    parser's default; '' for none, "required" for a required flag."""
+    if action.required:
+        return "required"
+    stated = _STATED_DEFAULT.search(help_text)
+    if stated:
+        return f"`{stated.group(1).strip()}`".replace("|", "\\|")
+    if action.default in (None, argparse.SUPPRESS) or not action.option_strings:
+        return ""
+    return _default(action.default)
+
+
 def command_rows(name: str) -> tuple[str, list[tuple[str, str, str]], tuple[str, ...]]:
     """(summary, [(flags, default, help)] of the flags command ``name`` adds beyond the config, config sections)."""
     from ray_mmbatch.cli import COMMANDS
@@ -70,11 +88,8 @@ def command_rows(name: str) -> tuple[str, list[tuple[str, str, str]], tuple[str,
             sections.add(action.dest.split(".")[0])
             continue
         flags = ", ".join(f"`{o}`" for o in action.option_strings) or f"`{action.dest.upper()}`"
-        default = "" if action.default in (None, argparse.SUPPRESS) or action.option_strings == [] else \
-            _default(action.default)
-        if action.required:
-            default = "required"
         help_text = (action.help or "").replace("%%", "%")
+        default = command_default(action, help_text)
         if action.choices:
             help_text += f" (one of: {', '.join(map(str, action.choices))})"
         rows.append((flags, default, _md(help_text)))

@@ -398,3 +398,189 @@ def test_flags_page_lists_every_field_and_every_flag():
                 continue
             for option in action.option_strings:
                 assert f"`{option}`" in page, f"ray-mmbatch {name} {option} missing"
+
+
+# --- help, the flags page, links and the README agree with the code -----------------------------------------
+
+def _command_parsers():
+    import importlib
+
+    from ray_mmbatch import cli
+
+    for name, (module, _) in cli.COMMANDS.items():
+        yield name, importlib.import_module(f"ray_mmbatch.commands.{module}").build_parser(prog=f"ray-mmbatch {name}")
+
+
+def _cells(line: str) -> list[str]:
+    """A Markdown table row's cells, ``\\|`` kept inside its cell and unescaped."""
+    return [c.strip().replace("\\|", "|") for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+
+
+def _page_defaults(page: str) -> dict[tuple[str, str], str]:
+    """{(command or 'config', flag): the default cell} of every row of the flags page that names a flag."""
+    out, where = {}, "config"
+    for line in page.splitlines():
+        heading = re.match(r"^### ray-mmbatch (\S+)", line)
+        if heading:
+            where = heading.group(1)
+        elif line.startswith("| `--"):
+            cells = _cells(line)
+            if len(cells) < 3:  # the first table: --config, --set, --verbose
+                continue
+            default = cells[2] if where == "config" else cells[1]
+            for flag in re.findall(r"`(--[\w-]+)`", cells[0]):
+                out[(where, flag)] = default
+    return out
+
+
+def _stated_default(help_text: str) -> str | None:
+    """The text of the last "(default: ...)" of a help string, parentheses inside it balanced."""
+    start = help_text.rfind("(default: ")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("(default: ")
+    for j in range(i, len(help_text)):
+        depth += {"(": 1, ")": -1}.get(help_text[j], 0)
+        if depth == 0:
+            return help_text[i:j].strip()
+    return None
+
+
+def test_help_and_flags_page_name_every_backend_and_video_family():
+    """`--backend`'s help and the flags page list every backend of the models/ registry, and the page's image.video
+    every model_type a backend trains on video: the lists are filled from the registries, so they cannot drift."""
+    from ray_mmbatch.flagdoc import render
+    from ray_mmbatch.models import REGISTRY, video_model_types
+
+    backends, video = list(REGISTRY), video_model_types()
+    assert len(backends) >= 7 and len(video) >= 4, (backends, video)
+    parsers = dict(_command_parsers())
+    helps = {a.dest: a.help for a in parsers["train"]._actions}
+    assert all(f"'{b}'" in helps["model.backend"] for b in backends), helps["model.backend"]
+    assert "{" not in helps["model.backend"]
+    rows = {_cells(line)[1]: _cells(line)[3] for line in render().splitlines() if line.startswith("| ")
+            and len(_cells(line)) == 4 and _cells(line)[1].startswith("`")}
+    assert all(f"'{b}'" in rows["`model.backend`"] for b in backends), rows["`model.backend`"]
+    assert all(f"'{t}'" in rows["`image.video`"] for t in video), rows["`image.video`"]
+    assert not any(re.search(r"\{(backends|video_families)\}", text) for text in rows.values())
+
+
+def test_flags_page_defaults_agree_with_help(monkeypatch):
+    """For every flag of every command, the flags page's default is the one `--help` states: the help's own
+    "(default: ...)" text where it has one, else the parser's default; and the page is the same on a machine with
+    a GPU (`verify-packing --device` defaults to cuda there) as on one without."""
+    import argparse
+
+    import torch
+
+    from ray_mmbatch.flagdoc import render
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    page = render()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert render() == page, "the flags page depends on this machine"
+    defaults, checked = _page_defaults(page), 0
+    for name, parser in _command_parsers():
+        for action in parser._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings or action.dest in ("set",
+                                                                                                     "config"):
+                continue
+            flag = action.option_strings[-1]
+            cell = defaults.get(("config" if "." in action.dest else name, flag))
+            if action.dest == "verbose":
+                continue  # the page's first table
+            assert cell is not None, f"ray-mmbatch {name} {flag}: no row on the flags page"
+            stated = _stated_default((action.help or "").replace("%%", "%"))
+            if action.required:
+                expected = "required"
+            elif stated is not None:
+                expected = f"`{stated}`"
+            else:
+                expected = "" if action.default is None else f"`{action.default!r}`"
+            if cell.endswith("...`") and stated is not None:  # a long default, cut on the page
+                assert stated.startswith(cell[1:-4]), f"ray-mmbatch {name} {flag}: page {cell}, --help {stated}"
+            else:
+                assert cell == expected, f"ray-mmbatch {name} {flag}: page {cell!r}, --help says {expected!r}"
+            checked += 1
+    assert checked > 50, checked
+
+
+def _markdown_links(text: str) -> list[str]:
+    """The link targets of a Markdown page's prose (fenced blocks and code spans left out)."""
+    prose, fence = [], None
+    for line in text.splitlines():
+        opened = FENCE.match(line)
+        if fence is None and opened:
+            fence = opened.group(2)
+        elif fence is not None:
+            fence = None if line.strip().startswith(fence) else fence
+        else:
+            prose.append(line)
+    text = re.sub(r"(`+)(?!`).+?(?<!`)\1(?!`)", "", "\n".join(prose), flags=re.S)
+    return re.findall(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text)
+
+
+def _docs_hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_relative_link_resolves_in_the_repository():
+    """Every relative link of README.md and docs/ names a file of the repository, so it works where the pages are
+    read on the repository host, not only in the built site (a page the site generates, such as its copy of
+    benchmarks/RESULTS.md, is linked by its repository path; the site build repoints it). A link into a Markdown
+    file outside docs/ names one of its headings by the host's id (the site build translates it)."""
+    hooks = _docs_hooks()
+    assert hooks.github_slug("Sizing: `inspect --throughput` (issue 34)") == "sizing-inspect---throughput-issue-34"
+    bad, checked = [], 0
+    for page in doc_pages():
+        for target in _markdown_links(page.read_text()):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue  # a URL, or an anchor of the page itself
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve()
+            checked += 1
+            where = f"{page.relative_to(ROOT)}: {target}"
+            if not resolved.exists() or not resolved.is_relative_to(ROOT):
+                bad.append(f"{where} (no such file in the repository)")
+            elif anchor and resolved.suffix == ".md" and not resolved.is_relative_to(DOCS):
+                ids = {hooks.github_slug(h) for h in hooks.headings(resolved.read_text())}
+                if anchor not in ids:
+                    bad.append(f"{where} (no such heading)")
+    assert checked > 100, checked
+    assert not bad, "\n".join(bad)
+
+
+def test_contributing_test_command_is_the_readmes():
+    """docs/contributing.md gives the README's own test command (its second line, which CI runs)."""
+    test_command = (ROOT / "README.md").read_text().splitlines()[2].split("#")[0].strip()
+    assert test_command == "bash scripts/setup.sh --reference && .venv/bin/python -m pytest tests"
+    commands = [c.split("#")[0].strip() for b in parse_blocks((DOCS / "contributing.md").read_text(), "c.md")
+                if b.lang == "bash" for c in _commands(b.text)]
+    assert test_command in commands, commands
+
+
+def test_readme_shows_the_three_ways_and_the_gpu_note():
+    """The README shows, one runnable block each and linking its guide: a `ray job submit` to a cluster, `ray start
+    --head` and a run, `tune` for the budgets; and beside its figures and every `--use-gpu` that no GPU run is
+    recorded."""
+    text = (ROOT / "README.md").read_text()
+    sections = re.split(r"^## ", text, flags=re.M)
+    blocks = [b for b in parse_blocks(text, "README.md") if b.runs]
+    for command, guide in (("ray job submit", "docs/cluster.md"), ("ray start --head", "docs/cluster.md"),
+                           ("ray-mmbatch tune", "docs/budgets.md")):
+        block = next((b for b in blocks if command in b.text), None)
+        assert block is not None, f"no runnable README block runs {command}"
+        before = "\n".join(text.splitlines()[:block.line])
+        assert guide in before[before.rfind("**"):], f"{command}: the sentence above it links no {guide}"
+    local = next(b for b in blocks if "ray start --head" in b.text)
+    assert "jobs/train.py" in local.text or "ray-mmbatch train" in local.text
+    note = "not yet run on a GPU"
+    assert note in sections[0], "the figures' note"
+    for section in sections:
+        if "--use-gpu" in section:
+            assert note in section, section.splitlines()[0]
