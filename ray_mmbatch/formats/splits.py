@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from dataclasses import dataclass
 
 from ray_mmbatch.formats import fs
@@ -139,20 +140,25 @@ def select(root: str, files: list[str], split: str) -> list[str]:
     """The files of ``split`` when the listing names splits; all of them when it names none. Warns once per
     folder and split naming the files left out, and when --eval-data's held-out set is a train split."""
     sel = selection(root, files, split)
-    if not sel.split:
-        return files
+    if not sel.split or (root, split, tuple(files)) in _warned:
+        return sel.files
+    _warned.add((root, split, tuple(files)))
+    if split == HELD_OUT and _is_train(sel.split):
+        log.warning("%s: --eval-data reads its split %r, the only one there: the evaluation runs on training "
+                    "data; give a held-out folder, or PATH#split=NAME", root, sel.split)
     gone = sel.left_out()
-    if (gone or split == HELD_OUT and canonical(sel.split) == "train") and (root, split, tuple(files)) not in _warned:
-        _warned.add((root, split, tuple(files)))
-        if split == HELD_OUT and canonical(sel.split) == "train":
-            log.warning("%s: --eval-data reads its split %r, the only one there: the evaluation runs on "
-                        "training data; give a held-out folder, or PATH#split=NAME", root, sel.split)
-        if gone:
-            told = "; ".join(f"{s} {len(r)} file(s), e.g. {', '.join(r[:3])}" for s, r in gone.items())
-            log.warning("%s: reads split %r (%d file(s)) as HF datasets splits the folder; left out: %s. "
-                        "--split NAME (or PATH#split=NAME) reads another split; point --data at files naming "
-                        "no split to read them", root, sel.split, len(sel.files), told)
+    if gone:
+        told = "; ".join(f"{s} {len(r)} file(s), e.g. {', '.join(r[:3])}" for s, r in gone.items())
+        hint = "; point --data at the files in no split to read them" if NO_SPLIT in gone else ""
+        log.warning("%s: reads split %r (%d file(s)), as HF datasets splits this folder; left out: %s. "
+                    "--split NAME (or PATH#split=NAME) reads another split%s", root, sel.split, len(sel.files),
+                    told, hint)
     return sel.files
+
+
+def _is_train(split: str) -> bool:
+    """train, training and their custom shards' names (train_sft, train_gen, train_prefs ...)."""
+    return canonical(re.split(r"[-._ 0-9]", split, maxsplit=1)[0]) == "train"
 
 
 _SPLIT_DIR = matcher([p for ps in DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME.values() for p in ps])
