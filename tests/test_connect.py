@@ -105,6 +105,7 @@ def token_head():
         shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.ray
 def test_a_token_cluster_is_joined_without_auth_mode_and_refusals_say_the_fix_at_once(token_head, tmp_path):
     port, home, tmp = token_head
     dead = _free_port()

@@ -137,16 +137,12 @@ def storage_is_shared(location: str) -> bool:
     return os.environ.get(SHARED_ENV) == "1" or mount_type(fs.local_path(location)) in NETWORK_FS
 
 
-def check_shared_storage(cfg, node_count: int) -> None:
-    """ClusterError when the run has more than one node to go to and its checkpoints would stay on one."""
-    if node_count <= 1:
+def check_shared_storage(storage: str, where: str, node_count: int) -> None:
+    """ClusterError when the run has more than one node to go to and its checkpoints would stay on one.
+    ``storage``: the --storage setting ('' = none); ``where``: the location it resolves to."""
+    if node_count <= 1 or storage_is_shared(where):
         return
-    from ray_mmbatch.train.trainer import storage_location
-
-    where = storage_location(cfg)
-    if storage_is_shared(where):
-        return
-    what = f"--storage {cfg.train.storage}" if cfg.train.storage else f"checkpoints go to {where} (no --storage)"
+    what = f"--storage {storage}" if storage else f"checkpoints go to {where} (no --storage)"
     kind = mount_type(fs.local_path(where)) or "unknown"
     raise ClusterError(f"this Ray cluster has {node_count} nodes and {what}, a folder on one node's disk "
                        f"({kind}): each checkpoint would stay on the node that wrote it, and a restart elsewhere "

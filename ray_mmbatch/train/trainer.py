@@ -237,6 +237,14 @@ def check_output_locations(cfg: Config) -> None:
             raise fs.DataLocationError(f"--storage {cfg.train.storage}: bucket {bucket!r} does not exist")
 
 
+def check_storage_reaches_nodes(cfg: Config) -> None:
+    """On a cluster of more than one node, checkpoints must go to a bucket or a shared folder (run/cluster.py)."""
+    from ray_mmbatch.dataflow.pools import alive_nodes
+    from ray_mmbatch.run.cluster import check_shared_storage
+
+    check_shared_storage(cfg.train.storage, storage_location(cfg), len(alive_nodes(ray.nodes())))
+
+
 def storage_location(cfg: Config) -> str:
     """Where Ray Train persists checkpoints (RunConfig.storage_path): train.storage or OUTPUT_DIR/ray_storage."""
     if cfg.train.storage:
@@ -255,6 +263,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
 
     check_trackers(cfg.train.report_to)  # --report-to: a tracker not installed fails before Ray starts
     connect(num_cpus=int(math.ceil(cfg.train.num_workers * cfg.train.cpus_per_worker)) + 6)
+    check_storage_reaches_nodes(cfg)
     from ray_mmbatch.dataflow.pipeline import pools_for
     from ray_mmbatch.dataflow.pools import PLAN_CPUS
     from ray_mmbatch.run.datatime import summarize as summarize_data_time
