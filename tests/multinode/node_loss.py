@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import sys
 import threading
 import time
@@ -35,6 +36,7 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
     from ray.cluster_utils import Cluster
 
     from ray_mmbatch.config import Config
+    from ray_mmbatch.run.cluster import SHARED_ENV
     from ray_mmbatch.run.progress import ProgressPrinter
     from ray_mmbatch.train.trainer import run_training
 
@@ -48,6 +50,7 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
     cfg.data.shuffle, cfg.data.shuffle_buffer = shuffle, 64  # batches flow before the epoch is measured
     cfg.budget.max_tokens, cfg.budget.window = 2048, 64
     cfg.train.output_dir, cfg.train.ledger = str(out), True
+    os.environ[SHARED_ENV] = "1"  # these nodes share this machine's disk: its OUTPUT_DIR/ray_storage reaches all
     cfg.train.report_every = cfg.train.checkpoint_every = 2
     cfg.train.max_steps, cfg.train.num_workers, cfg.train.max_failures = 0, 1, 4
     cfg.train.worker_resource = "train" if which == "train" else ""
