@@ -103,3 +103,24 @@ def _with_model(path: str) -> Config:
     cfg = Config()
     cfg.model.path = path
     return cfg
+
+
+def test_an_export_published_to_the_bucket_is_the_next_runs_model(bucket_checkpoint, cache, tmp_path):
+    """Rank 0's export (OUTPUT_DIR/model on its node) copied beside the run's checkpoints in --storage, where
+    `ray down` does not take it, and read back through --model s3://... ."""
+    from ray_mmbatch.run.rundir import RunDir
+    from ray_mmbatch.train.checkpoint import publish_export
+
+    local, _ = bucket_checkpoint
+    out = tmp_path / "run"
+    (out / RunDir.EXPORT).mkdir(parents=True)
+    for name, data in _files(local).items():
+        (out / RunDir.EXPORT / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / RunDir.EXPORT / name).write_bytes(data)
+    assert publish_export(out, "", "run1") == []  # no --storage: the export is where the checkpoints are
+    written = publish_export(out, f"s3://{BUCKET}/runs", "run1")
+    assert written == [f"s3://{BUCKET}/runs/run1/model"]
+    assert _files(Path(fetch.local_checkpoint(written[0]))) == _files(local)
+    shared = tmp_path / "shared"
+    assert publish_export(out, str(shared), "run1") == [str(shared / "run1" / "model")]
+    assert _files(shared / "run1" / "model") == _files(local)

@@ -261,3 +261,32 @@ def read_latest_position(output_dir: str | Path, run_storage: str | Path | None 
         return json.loads((Path(output_dir) / RunDir.LATEST).read_text()).get("position")
     except (OSError, ValueError):
         return None
+
+
+def publish_export(output_dir: str | Path, storage: str, run_name: str) -> list[str]:
+    """Copy the run's exports (OUTPUT_DIR/model, OUTPUT_DIR/adapter, as rank 0 wrote them on its node) into
+    ``<storage>/<run_name>/``, beside the run's checkpoints; return the locations written.
+
+    Rank 0 exports on its own node's disk; on a cluster that disk goes with the node (``ray down``), while
+    ``--storage`` is a bucket or a folder every node mounts (the multi-node check makes sure, run/cluster.py).
+    Nothing to do without an explicit ``storage`` (the export is then already where the checkpoints are)."""
+    from ray_mmbatch.formats import fs
+
+    if not storage:
+        return []
+    import pyarrow.fs as pafs
+
+    written = []
+    for name in (RunDir.EXPORT, RunDir.ADAPTER):
+        src = Path(output_dir) / name
+        if not src.is_dir():
+            continue
+        dest = fs.join(fs.join(storage, run_name), name)
+        filesystem, path = fs.split(dest)
+        if not fs.is_uri(dest) and os.path.realpath(src) == os.path.realpath(path):
+            continue  # --storage is OUTPUT_DIR's parent: already there
+        filesystem.create_dir(path, recursive=True)
+        pafs.copy_files(str(src.resolve()), path, source_filesystem=pafs.LocalFileSystem(),
+                        destination_filesystem=filesystem)
+        written.append(dest)
+    return written
