@@ -348,10 +348,11 @@ class DataConfig:
     """Caption layouts (a caption / txt column, img2dataset ``KEY.txt``): the user turn's text after the image
     ('' = the image alone); the caption is the answer."""
     split: str = flag("--split", "train")
-    """Which split of a folder laid out as the HF Hub lays splits out (``{split}-00000-of-00002.parquet``,
-    ``data/{split}-*``, a ``{split}/`` folder, a save_to_disk DatasetDict) is read; files of other splits are
-    never read. ``--data PATH#split=NAME`` / ``--eval-data PATH#split=validation`` pick one per dataset
-    (formats/splits.py)."""
+    """Which split of a folder is read, its files' splits named by HF ``datasets``' own data-file patterns
+    (``data/{split}-00000-of-00002.parquet`` shards, custom names such as ``train_sft`` included; a ``train/`` or
+    ``train2017/`` folder; ``test_0.jsonl``, ``my-dataset.dev.jsonl``; a save_to_disk DatasetDict); files of
+    other splits are never read. ``--data PATH#split=NAME`` / ``--eval-data PATH#split=validation`` pick one per
+    dataset (formats/splits.py)."""
     filter: str = flag("--filter", "")
     """Keep only rows whose scalar columns pass this, e.g. "relevance_min >= 4" or "source == 'ai2d' and
     formatting_min >= 3" (==, !=, <, <=, >, >=, in [...]; clauses joined by 'and'). Parquet / Arrow; filtered
