@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg.data.path, cfg.data.format = f"{work}/data", "parquet"
     cfg.model.path = args.model
     cfg.budget.max_tokens, cfg.budget.window = args.max_tokens, 64
-    cfg.train.grad_accum, cfg.train.lr = 2, 1e-3
+    cfg.train.grad_accum, cfg.train.lr, cfg.train.epochs = 2, 1e-3, 1  # set: not left to the mode (run/defaults.py)
     trainer = TorchTrainer(
         train_func,
         train_loop_config={"cfg": cfg.to_dict(), "output_dir": f"{work}/trainer", "max_steps": args.max_steps},

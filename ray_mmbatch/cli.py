@@ -98,7 +98,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key.strip()] = value
-    return absolute_locations(load_config(args.config, overrides))
+    from ray_mmbatch.run.defaults import resolve_defaults  # the settings left to the mode: demo or fine-tune
+
+    return resolve_defaults(absolute_locations(load_config(args.config, overrides)))
 
 
 

@@ -263,22 +263,32 @@ class TrainConfig:
     placed by their GPUs)."""
     precision: str = flag("--precision", "auto")
     """'auto' (bf16 on GPU, fp32 on CPU), 'bf16', 'fp32'."""
-    lr: float = flag("--lr", 3e-3)
-    """Peak AdamW learning rate."""
+    lr: float | None = flag("--lr", None)
+    """Peak AdamW learning rate. None / 'auto' = by mode (run/defaults.py): 3e-3 for the built-in model trained
+    from scratch (the demo); with --model 1e-5 for a full fine-tune (LLaMA-Factory's qwen2_5vl_full_sft example;
+    TRL's SFTConfig default is 2e-5) and 1e-4 with --lora-rank / --qlora (LLaMA-Factory's qwen2_5vl_lora_sft
+    example, ms-swift's Qwen2-VL LoRA examples)."""
     weight_decay: float = 0.01
     """AdamW weight decay."""
-    warmup_steps: int = 10
-    """Linear warm-up steps, then cosine decay to 10%."""
+    warmup_steps: int | None = None
+    """Linear warm-up steps, then cosine decay to 10% of the peak; when set (> 0) it wins over warmup_ratio, as in
+    HF TrainingArguments. None / 'auto' = by mode: 10 for the demo, 0 with --model (warmup_ratio then)."""
+    warmup_ratio: float | None = None
+    """Linear warm-up over this share of the run (of max_steps, or of the samples when the run goes by epochs),
+    then cosine decay over the rest to 10% of the peak. None / 'auto' = by mode: 0 for the demo (warmup_steps),
+    0.1 with --model (warmup_ratio of LLaMA-Factory's Qwen2.5-VL full and LoRA SFT examples)."""
     grad_accum: int = flag("--grad-accum", 1)
     """Micro-batches per optimizer step."""
     grad_clip: float = 1.0
     """Max gradient norm (0 = off)."""
-    max_steps: int = flag("--max-steps", 60)
+    max_steps: int | None = flag("--max-steps", None)
     """Optimizer steps to run; the cosine learning-rate schedule spans them. 0 = run all epochs, and the
-    schedule follows the share of the samples done (counted up front from footers / indexes)."""
-    epochs: int = flag("--epochs", 1)
+    schedule follows the share of the samples done (counted up front from footers / indexes). None / 'auto' =
+    by mode: 60 for the demo, 0 (whole epochs) with --model."""
+    epochs: int | None = flag("--epochs", None)
     """Passes over the data, one after the other; each re-reads in its own order and re-plans with the
-    epoch in the seed."""
+    epoch in the seed. None / 'auto' = by mode: 1 for the demo, 3 with --model (num_train_epochs of
+    LLaMA-Factory's Qwen2.5-VL SFT examples and HF TrainingArguments' default)."""
     report_every: int = flag("--report-every", 5)
     """Report metrics every N optimizer steps."""
     eval_every: int = flag("--eval-every", 0)
@@ -286,8 +296,10 @@ class TrainConfig:
     eval_cache_mb: int = flag("--eval-cache-mb", 1024)
     """Each rank keeps its held-out batches in memory after the first evaluation, up to this size (later ones
     then skip reading, decoding and planning); a larger share is read again each time (0 = never keep)."""
-    checkpoint_every: int = flag("--checkpoint-every", 20)
-    """Checkpoint every N optimizer steps (0 = only at the end)."""
+    checkpoint_every: float | None = flag("--checkpoint-every", None)
+    """Checkpoint every N optimizer steps; a number below 1 is a share of the run (0.25: at each quarter of
+    max_steps, or of the samples by epochs), as HF TrainingArguments reads a save_steps below 1; 0 = only at the
+    end (there always). None / 'auto' = by mode: 20 for the demo, 0.25 with --model."""
     max_failures: int = flag("--max-failures", 2)
     """Worker-group restarts allowed (FailureConfig)."""
     seed: int = flag("--seed", 0)
@@ -296,9 +308,10 @@ class TrainConfig:
     """Preserve order through Ray Data so batches are identical run to run (replay / resume by position)."""
     ledger: bool = flag("--ledger", False)
     """Record, per rank, which sample ids were trained (for exactly-once checks)."""
-    output_dir: str = flag("--output-dir", "runs/demo")
+    output_dir: str = flag("--output-dir", "")
     """Where summary.json, metrics, logs and reports go: a local folder (or one every node mounts, for the
-    per-rank logs of a multi-node run); checkpoints too unless ``storage`` says otherwise."""
+    per-rank logs of a multi-node run); checkpoints too unless ``storage`` says otherwise. '' = by mode:
+    runs/demo for the demo, runs/<the checkpoint folder's name> with --model."""
     storage: str = flag("--storage", "")
     """Where Ray Train persists checkpoints: a folder every node can reach or a bucket URI (s3://, gs://,
     abfs://; credentials and AWS_ENDPOINT_URL from the environment). '' = OUTPUT_DIR/ray_storage."""
@@ -317,6 +330,9 @@ class TrainConfig:
     pip install 'ray_mmbatch[trackers]'; one asked for and missing stops the run at start."""
     fault_at_step: int = 0
     """Fault drill: rank 0 SIGKILLs its own process after this step, once per run dir (0 = off)."""
+    defaults_from: dict = field(default_factory=dict)
+    """Filled in, not set: {field: where its value came from} for each setting above that was left to its
+    mode's default (run/defaults.py resolve_defaults), e.g. {"lr": "full fine-tune: ..."}."""
 
 
 @dataclass
@@ -453,7 +469,8 @@ def flag_for(key: str) -> str:
 
 
 #: Fields where None means "auto" and the word auto sets it back.
-AUTO_FIELDS = {"data.preprocess_workers"}
+AUTO_FIELDS = {"data.preprocess_workers", "train.lr", "train.warmup_steps", "train.warmup_ratio", "train.max_steps",
+               "train.epochs", "train.checkpoint_every"}
 
 
 _ITEM_TYPES = {"int": int, "float": float, "str": str}

@@ -107,7 +107,7 @@ def test_stop_and_rerun_same_name_resumes_exactly_once(ray_cluster, bad_parquet,
     assert set(partial) <= set(ledger(out, 0))
     # by epochs (no max_steps) the cosine follows the samples done: the run ends at the floor
     last = json.loads((out / RunDir.METRICS).read_text().splitlines()[-1])
-    assert last["lr"] < 0.15 * Config().train.lr, last["lr"]
+    assert last["lr"] < 0.15 * summary["config"]["train"]["lr"], last["lr"]  # the demo's 3e-3, resolved
     batches = [json.loads(ln) for ln in (out / RunDir.BATCHES).read_text().splitlines()]
     assert {b["rank"] for b in batches} == {0, 1}
     assert all(b["real_tokens"] <= 2048 for b in batches)
@@ -169,6 +169,13 @@ def test_deterministic_training_replays_the_same_batches(ray_cluster, bad_parque
     first, second = _batches(tmp_path / "a"), _batches(tmp_path / "b")
     assert len(first) == 6
     assert first == second
+    # the plan it set out with (run/plan.py): the demo's lr, the steps given, the rows counted up front
+    import pyarrow.parquet as pq
+
+    rows = sum(pq.read_metadata(p).num_rows for p in Path(data).rglob("*.parquet"))
+    plan = json.loads((tmp_path / "a" / RunDir.SUMMARY).read_text())["plan"]
+    assert (plan["samples_per_epoch"], plan["max_steps"], plan["lr"], plan["tokens_per_step"]) == (rows, 6, 3e-3, 2048)
+    assert plan["checkpoints"] == "at the end only" and plan["mode"] == "demo"
 
     dt = json.loads((tmp_path / "a" / RunDir.SUMMARY).read_text())["data_time"]
     assert dt == json.loads(json.dumps(summary["data_time"]))

@@ -4,6 +4,11 @@ With no arguments: generates a small demo dataset (if none is there), starts Ray
 locally (or joins a running cluster: RAY_ADDRESS, or one started with
 ``ray start --head``), trains on CPU for a short run and writes
 OUTPUT_DIR/summary.json.
+
+With --model CKPT the settings left unset are a fine-tune's, not the demo's: learning
+rate 1e-5 (LoRA / QLoRA 1e-4), 3 whole epochs, 10% warm-up, a checkpoint at every
+quarter of the run, output in runs/<CKPT's folder name> (ray_mmbatch/run/defaults.py
+names each one's source). The run's first lines state its plan.
 """
 from __future__ import annotations
 
@@ -65,13 +70,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
           f"checked ({seen['skipped']} skipped)", flush=True)
     for line in seen.get("read_as", [])[:20]:
         print(f"[train] read as: {line}", flush=True)
-    from ray_mmbatch.train.trainer import run_training
+    from ray_mmbatch.run.plan import plan_lines
+    from ray_mmbatch.train.trainer import run_plan, run_training
+
+    plan = run_plan(cfg, seen.get("tokens_per_sample"))  # stated now, kept in summary.json
+    for line in plan_lines(plan, cfg):
+        print(f"[train] {line}", flush=True)
 
     out = Path(cfg.train.output_dir).resolve()
     print(f"[train] training -> {out} (Ray logs keep everything; --verbose shows them here)", flush=True)
     try:
         with ProgressPrinter(out / RunDir.METRICS, cfg.train.max_steps):
-            summary = run_training(cfg)
+            summary = run_training(cfg, plan=plan)
     except TooManySkipped as e:
         print(f"[train] error: {e}", file=sys.stderr, flush=True)
         return 3

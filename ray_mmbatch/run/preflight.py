@@ -36,7 +36,8 @@ class TooManySkippedAtStart(PreflightError):
 def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
     """Check the run's data, tokenizer and model before any cluster work; raise PreflightError.
 
-    Returns what it saw: {"format", "files", "samples_checked", "skipped"}.
+    Returns what it saw: {"format", "files", "samples_checked", "skipped", "tokens_per_sample" (the mean over
+    the samples kept, for the run plan's estimate; None when none was)}.
     """
     from ray_mmbatch.formats.splits import expand
     from ray_mmbatch.formats.units import resolve_files
@@ -64,6 +65,7 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         return {"format": "+".join(sorted({r["format"] for r in seen})), "files": sum(r["files"] for r in seen),
                 "samples_checked": sum(r["samples_checked"] for r in seen),
                 "skipped": sum(r["skipped"] for r in seen), "sources": [s.name for s in sources],
+                "tokens_per_sample": _mean_tokens(seen),
                 "read_as": [f"{s.name}: {line}" for s, r in zip(sources, seen) for line in r["read_as"]]}
     d = cfg.data
     if not d.path:
@@ -92,7 +94,9 @@ def preflight(cfg: Config, samples: int = PREFLIGHT_SAMPLES) -> dict:
         raise TooManySkippedAtStart(explain_skips(
             reasons, seen, d.max_skip_fraction, d, where=" checked before the run",
             see_also="ray-mmbatch inspect reads and counts them all"))
-    return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons), "read_as": read_as}
+    kept = [r[S.TOKENS] for r in rows if not r[S.SKIP_REASON]]  # the run plan's steps estimate (run/plan.py)
+    return {"format": fmt, "files": len(files), "samples_checked": seen, "skipped": len(reasons), "read_as": read_as,
+            "tokens_per_sample": sum(kept) / len(kept) if kept else None}
 
 
 def configure_run(cfg: Config) -> Config:
@@ -146,8 +150,15 @@ def _first_rows(cfg: Config, n: int, fmt: str) -> tuple[list[dict], list[str]]:
         raise PreflightError(f"model: {family} ({backend_name(cfg.model)} backend) takes no video: "
                              f"{_one_line(e)}") from None
     measured = fit_batch_to_budget(measured, cfg.budget)
-    return [{S.SAMPLE_ID: measured[S.SAMPLE_ID][i], S.SKIP_REASON: measured[S.SKIP_REASON][i]}
-            for i in range(len(measured[S.SAMPLE_ID]))], lines
+    return [{S.SAMPLE_ID: measured[S.SAMPLE_ID][i], S.SKIP_REASON: measured[S.SKIP_REASON][i],
+             S.TOKENS: int(measured[S.TOKENS][i])} for i in range(len(measured[S.SAMPLE_ID]))], lines
+
+
+def _mean_tokens(seen: list[dict]) -> float | None:
+    """The sources' mean tokens per kept sample, each weighted by the samples it kept."""
+    weighted = [(r["tokens_per_sample"], r["samples_checked"] - r["skipped"]) for r in seen if r["tokens_per_sample"]]
+    kept = sum(n for _, n in weighted)
+    return sum(m * n for m, n in weighted) / kept if kept else None
 
 
 def checkpoint_family(cfg: Config) -> str:

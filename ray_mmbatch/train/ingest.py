@@ -104,8 +104,9 @@ def datasets(cfg: Config, epochs: int | None = None, state: DataState | dict | N
     ``state``: a resumed run's DataState (or its state_dict): the rows it trained are not read again."""
     from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
     from ray_mmbatch.models import configure, token_ids
+    from ray_mmbatch.run.defaults import resolve_defaults
 
-    cfg = configure(cfg)
+    cfg = configure(resolve_defaults(cfg))  # train.epochs left to the mode: 1 for the built-in model, 3 for --model
     set_deterministic(cfg.train.deterministic)
     pad_id = token_ids(cfg)["pad_id"]
     n = epochs if epochs is not None else max(1, cfg.train.epochs)

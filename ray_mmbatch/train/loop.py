@@ -101,6 +101,7 @@ class Runner:
         self.samples_seen = int(st.get("samples_seen", 0))
         self.progress, self.planned_samples = progress, int(planned_samples)
         self._set_progress()
+        self.checkpoint_mark = self._share_mark()  # checkpoint_every below 1: the shares of the run passed
         # the run's records go to the driver through Ray (train/events.py), never to a shared disk
         self.files = RankEvents(channel, rank, cfg.train.ledger)
         self.files.trim(self.step)
@@ -190,7 +191,7 @@ class Runner:
                 self.clock.step(t_data, t_step, first)
                 first = False
                 self._fault_drill()
-                ck = bool(tcfg.checkpoint_every) and self.step % tcfg.checkpoint_every == 0
+                ck = self._checkpoint_due()
                 ev = self.has_eval and bool(tcfg.eval_every) and self.step % tcfg.eval_every == 0 \
                     and not self._at_max_steps()  # the end evaluates below
                 if ev:
@@ -240,6 +241,27 @@ class Runner:
     def _set_progress(self) -> None:
         if self.progress is not None and self.planned_samples > 0:
             self.progress.value = self.samples_seen / self.planned_samples
+
+    def _share_mark(self) -> int:
+        """With checkpoint_every below 1: how many such shares of the run are done (steps over max_steps, else
+        samples seen over those planned; the same on every rank), short of the end, which checkpoints anyway."""
+        every = float(self.cfg.train.checkpoint_every or 0)
+        if not 0 < every < 1:
+            return 0
+        if self.cfg.train.max_steps:
+            done = self.step / self.cfg.train.max_steps
+        else:
+            done = self.samples_seen / self.planned_samples if self.planned_samples else 0.0
+        return int(min(done, 1 - 1e-9) / every + 1e-9)
+
+    def _checkpoint_due(self) -> bool:
+        """train.checkpoint_every: every N optimizer steps, or (below 1) each time the run passes another share."""
+        every = float(self.cfg.train.checkpoint_every or 0)
+        if every >= 1:
+            return self.step % int(every) == 0
+        mark = self._share_mark()
+        due, self.checkpoint_mark = mark > self.checkpoint_mark, max(mark, self.checkpoint_mark)
+        return due
 
     def _at_max_steps(self) -> bool:
         return bool(self.cfg.train.max_steps) and self.step >= self.cfg.train.max_steps

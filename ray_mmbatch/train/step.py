@@ -170,15 +170,22 @@ def lr_lambda(step: int, warmup_steps: int, total_steps: int, floor: float = 0.1
     return lr_by_progress(step, warmup_steps, (step - warmup_steps) / max(1, total_steps - warmup_steps), floor)
 
 
-def lr_by_progress(step: int, warmup_steps: int, progress: float, floor: float = 0.1) -> float:
+def lr_by_progress(step: int, warmup_steps: int, progress: float, floor: float = 0.1,
+                   warmup_share: float = 0.0) -> float:
     """Linear warm-up to 1 by steps, then cosine decay to ``floor`` as ``progress`` goes 0 -> 1.
 
     For runs that go by epochs (no max_steps): the number of steps is not known before the
     batches are planned, so the schedule follows the share of the planned samples done.
+    ``warmup_share`` (train.warmup_ratio, with no warmup_steps): the warm-up is the first share
+    of the samples instead (from 0, as HF's warm-up starts), and the cosine spans the rest.
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     p = min(1.0, max(0.0, progress))
+    if not warmup_steps and warmup_share > 0:
+        if p < warmup_share:
+            return p / warmup_share
+        p = (p - warmup_share) / max(1e-9, 1.0 - warmup_share)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
@@ -199,9 +206,12 @@ def build_optimizer(model: nn.Module, train_cfg: TrainConfig, total_steps: int, 
     groups = [{"params": decay, "weight_decay": train_cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=train_cfg.lr, betas=(0.9, 0.95))
-    warmup, total = train_cfg.warmup_steps, max(1, total_steps)
+    total, share = max(1, total_steps), train_cfg.warmup_ratio or 0.0
+    # warmup_steps wins; else warmup_ratio of the steps, or (by epochs) of the samples (lr_by_progress)
+    warmup = train_cfg.warmup_steps or (math.ceil(share * total) if progress is None else 0)
     if progress is not None:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_by_progress(s, warmup, progress.value))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_by_progress(s, warmup, progress.value, warmup_share=share))
     else:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_lambda(s, warmup, total))
     return optimizer, scheduler

@@ -22,6 +22,7 @@ from ray_mmbatch.config import Config
 from ray_mmbatch.data.errors import SkipRecord
 from ray_mmbatch.formats import fs
 from ray_mmbatch.formats.units import filtered_counts
+from ray_mmbatch.run.defaults import resolve_defaults
 from ray_mmbatch.run.rundir import RunDir, read_jsonl, write_jsonl
 from ray_mmbatch.train import checkpoint as ckpt
 
@@ -122,14 +123,31 @@ def _finish_logs(out: Path) -> tuple[dict[str, int], list[dict], dict[str, tuple
 def planned_samples(cfg: Config) -> int:
     """Rows to be read over the whole run (epochs x samples read per epoch) when it goes by
     epochs, for the learning-rate schedule; 0 with max_steps (the schedule uses the steps)."""
-    from ray_mmbatch.formats.units import count_samples
-
     if cfg.train.max_steps:
         return 0
+    return max(1, cfg.train.epochs) * samples_per_epoch(cfg)
+
+
+def samples_per_epoch(cfg: Config) -> int:
+    """Rows one epoch reads, counted up front (formats/units.py count_samples), less the held-out share."""
     from ray_mmbatch.data.split import train_split
+    from ray_mmbatch.formats.units import count_samples
 
     held = train_split(cfg.data)  # --eval-split: about that share of the rows is never trained
-    return max(1, cfg.train.epochs) * round(count_samples(cfg.data.path, cfg.data) * (1 - (held[1] if held else 0)))
+    return round(count_samples(cfg.data.path, cfg.data) * (1 - (held[1] if held else 0)))
+
+
+def run_plan(cfg: Config, tokens_per_sample: float | None = None) -> dict[str, Any]:
+    """summary.json's ``plan`` (run/plan.py) of the resolved ``cfg``: the samples counted up front, and with
+    ``tokens_per_sample`` (the pre-flight's mean) an estimate of the steps per epoch. A count that fails
+    leaves the samples out of the plan; the run itself says why when it reads them."""
+    from ray_mmbatch.run.plan import make_plan
+
+    try:
+        samples = samples_per_epoch(cfg)
+    except (OSError, ValueError):
+        samples = None
+    return make_plan(cfg, samples, tokens_per_sample)
 
 
 def _worker_resources(cfg: Config) -> dict[str, float]:
@@ -147,6 +165,7 @@ def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None)
     from ray_mmbatch.run.trackers import open_trackers
     from ray_mmbatch.train.events import follow
 
+    resolve_defaults(cfg)  # a Config() built in Python: output_dir and the schedule left to the mode
     check_output_locations(cfg)
     out = Path(cfg.train.output_dir).resolve()
     with follow(out, sink=open_trackers(cfg, out, run_name or "")) as channel:  # --report-to: run/trackers.py
@@ -162,7 +181,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.train.loop import train_loop_per_worker
 
-    cfg = configure(cfg)  # a checkpoint's image / text settings, before the data path is built
+    cfg = configure(resolve_defaults(cfg))  # the mode's settings; a checkpoint's image / text settings
     check_output_locations(cfg)
     out = Path(cfg.train.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -253,9 +272,11 @@ def storage_location(cfg: Config) -> str:
     return str(Path(cfg.train.output_dir).resolve() / RunDir.RAY_STORAGE)
 
 
-def run_training(cfg: Config) -> dict[str, Any]:
-    """Train; return and write OUTPUT_DIR/summary.json."""
+def run_training(cfg: Config, plan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train; return and write OUTPUT_DIR/summary.json (with ``plan``, run_plan's unless given)."""
     t0 = time.time()
+    resolve_defaults(cfg)  # a Config() built in Python: the settings left to the mode (cli.py did it for a command)
+    plan = plan or run_plan(cfg)
     from ray_mmbatch.models.trainable import check_config
 
     check_config(cfg)  # --freeze / --lora-*: a bad setting or a missing peft fails before Ray starts
@@ -295,6 +316,7 @@ def run_training(cfg: Config) -> dict[str, Any]:
         "budget": cfg.to_dict()["budget"],
         "config": cfg.to_dict(),
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "plan": plan,  # what the run set out to do (run/plan.py), stated in its first lines
         "eval_loss": m.get("eval_loss"),  # the held-out loss at the end (--eval-split / --eval-data)
         "trainable_params": m.get("trainable_params"),
         "total_params": m.get("total_params"),
