@@ -225,7 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     wall = time.perf_counter()
-    cfg = Config()
+    from ray_mmbatch.run.defaults import resolve_defaults
+
+    cfg = resolve_defaults(Config())  # the built-in model's schedule (10 warm-up steps), as the recorded figures used
     cfg.train.lr, cfg.train.precision, cfg.budget.max_tokens = args.lr, "fp32", args.max_tokens
     cats = tuple(c for c in args.categories.split(",") if c)
     tok = load_tokenizer("")

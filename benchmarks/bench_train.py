@@ -210,7 +210,9 @@ TINY_CHECKPOINTS[TINY_SMOLVLM] = tiny_smolvlm_checkpoint
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
     """(cfg, tokenizer, token ids, make_model() -> fresh model, description) for --model."""
-    cfg = Config()
+    from ray_mmbatch.run.defaults import resolve_defaults
+
+    cfg = resolve_defaults(Config())  # the demo's lr and warm-up for every model, as the recorded figures used
     cfg.train.seed = args.seed
     cfg.budget.max_tokens, cfg.budget.window = args.max_tokens, args.window
     if not args.model:
