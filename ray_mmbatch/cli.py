@@ -112,6 +112,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tune": ("tune_budget", "search batch budgets with Ray Tune for the best tokens/s under a memory limit"),
     "report": ("report", "write report.html / report.json for a training run's output dir"),
     "verify-packing": ("verify_packing", "check that packed batches give each sample's own loss"),
+    "plan": ("plan_memory", "estimate peak memory per GPU for the run's settings, item by item (--measure: measure)"),
 }
 
 

@@ -1,0 +1,398 @@
+"""Peak memory per GPU of a training step, estimated from the run's settings; and measured, to compare.
+
+Parameters are counted exactly: the run's model is built on the ``meta`` device (no weight is read or
+allocated), frozen parts and LoRA applied as a run applies them (models/trainable.py), and split into
+language and vision (tower + projector). The rest is a formula per item, in bytes (docs/memory.md draws it)::
+
+    weights      P x 4 (the project keeps fp32 weights; autocast makes the bf16 copies)
+                 + Pt x 2 with bf16 autocast (its cache of the trainable weights' bf16 copies)
+                 QLoRA: each 4-bit linear weight 0.5 + 0.016 (NF4 + double-quantized scales), the rest fp32
+                 FSDP: P x 4 / W + the root unit and two decoder blocks unsharded (bf16 with bf16 precision)
+    gradients    Pt x 4                                      (FSDP: / W)
+    optimizer    Pt x 8: AdamW's fp32 m and v; no fp32 master copy (the weights are fp32 already)   (FSDP: / W)
+    activations  T x L x (4 x 4d + a x (4d + 2 kv + 4 i))    per decoder layer, saved for the backward
+                                                             (kv = d with sdpa and a mask: k, v repeated)
+                 T x L x 4d + one layer's                    with gradient checkpointing (layer inputs only)
+                 + T x 3d x 4                                the final norm and the head's input
+                 + vision: patches x Lv x a x (8 dv + 2 iv)  (4 iv for a gated MLP), with --max-patches
+                 + T^2 x (1 + L x a) with sdpa (the batch's bool mask, and each layer's additive copy,
+                   saved for its backward), + L x heads x T^2 x 2a more with eager attention; none with flash
+    logits       3 x C x V x 4, C = min(chunk, targets)      models/loss.py's chunk in its backward: the fp32
+                                                             log-softmax, its gradient, the logits' gradient
+
+    T tokens of one batch (--max-tokens), L layers, d hidden, kv = kv_heads x head_dim, i intermediate,
+    V vocabulary, a = 2 with bf16 autocast else 4, P all parameters, Pt the trainable ones, W workers.
+
+The total is the sum, an upper bound: in the backward, gradients grow as activations are freed.
+``measure_peak`` runs two real optimizer steps (train/step.py) on a synthetic text-only pack at the budget
+and reports the peak: CUDA's allocator peak, or on CPU the growth of the process's peak RSS (VmHWM, reset
+through /proc/self/clear_refs). benchmarks/bench_memory.py compares the two; the figures are in
+benchmarks/RESULTS.md ("Memory"). No Ray here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+GiB = 1024 ** 3
+#: tokens per sample of measure_peak's synthetic pack (attention cost is per sample; the estimate counts none)
+SYNTHETIC_SAMPLE_TOKENS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """One transformer stack's shape: width, MLP width, layers, heads."""
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_dim: int
+    gated: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """What the estimate reads of a model: exact parameter counts and the stacks' shapes."""
+    name: str
+    language_params: int
+    vision_params: int          # vision tower + projector
+    trainable_params: int       # after --freeze / --lora-rank
+    quantized_params: int       # in 4-bit linear layers (--qlora), else 0
+    root_params: int            # outside the decoder blocks (FSDP's root unit)
+    block_params: int           # the largest decoder block
+    vocab: int
+    text: Stack
+    vision: Stack | None
+
+    @property
+    def total_params(self) -> int:
+        return self.language_params + self.vision_params
+
+
+@dataclasses.dataclass(frozen=True)
+class Item:
+    name: str
+    bytes: float
+    formula: str
+
+
+def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+    for n in names:
+        v = getattr(cfg, n, None)
+        if v is not None:
+            return v
+    return default
+
+
+def _stack(c: Any, gated: bool, width: tuple[str, ...] = ("hidden_size", "d_model")) -> Stack:
+    hidden = int(_get(c, *width))
+    inter = _get(c, "intermediate_size")
+    inter = int(inter) if inter else int(hidden * float(_get(c, "mlp_ratio", default=4.0)))
+    heads = int(_get(c, "num_attention_heads", "num_heads", "n_heads"))
+    head_dim = int(_get(c, "head_dim", default=0) or hidden // heads)
+    kv = int(_get(c, "num_key_value_heads", default=heads)) * head_dim
+    return Stack(hidden, inter, int(_get(c, "num_hidden_layers", "depth", "n_layers")), heads, kv, gated)
+
+
+def model_spec(cfg) -> ModelSpec:
+    """The run's model (``cfg.model``: checkpoint or built-in) built on the meta device, counted as a run trains it."""
+    import torch
+
+    from ray_mmbatch.models import trainable as T
+
+    with torch.device("meta"):
+        if cfg.model.path:
+            from transformers import AutoConfig, AutoModelForImageTextToText
+
+            from ray_mmbatch.models.hf_common import HFModel
+
+            hf_cfg = AutoConfig.from_pretrained(cfg.model.path)
+            model = HFModel(AutoModelForImageTextToText.from_config(hf_cfg), lambda batch: {}, lambda m: [])
+            text_cfg = hf_cfg.get_text_config()
+            vision_cfg = _get(hf_cfg, "vision_config")
+            vocab, name = int(text_cfg.vocab_size), f"{cfg.model.path} ({hf_cfg.model_type})"
+            blocks = [m for m in model.modules() if type(m).__name__ in set(model.hf_model._no_split_modules or ())]
+        else:
+            from ray_mmbatch.models import token_ids
+            from ray_mmbatch.models.builtin import build_model
+
+            ids = token_ids(cfg)
+            model = build_model(cfg.model, cfg.image, ids["vocab_size"], ids["image_token_id"], ids["pad_id"])
+            text_cfg, vocab, name = cfg.model, model.vocab_size, "builtin"
+            vision_cfg = dataclasses.replace(cfg.model, d_model=cfg.model.vision_d_model,
+                                             n_layers=cfg.model.vision_layers, n_heads=cfg.model.vision_heads)
+            blocks = list(model.decoder.blocks) + list(model.vision.blocks)
+        parts = T.part_parameters(model)
+        vision_ids = {id(p) for part in ("vision", "projector") for _, p in parts[part]}
+        before = {id(p) for p in model.parameters()}
+        if int(cfg.model.lora_rank) > 0 or cfg.model.freeze:
+            T.configure_trainable(model, cfg)
+    params = {id(p): p for p in model.parameters()}
+    added = sum(p.numel() for i, p in params.items() if i not in before)   # LoRA's A and B
+    vision = sum(p.numel() for i, p in params.items() if i in vision_ids)
+    language = sum(p.numel() for i, p in params.items() if i not in vision_ids) - added
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    quantized = 0
+    if cfg.model.qlora:  # bitsandbytes quantizes every nn.Linear but the head; LoRA's own layers stay fp32
+        quantized = sum(m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                        and not n.endswith("lm_head") and "lora_" not in n)
+
+    def in_vision(m) -> bool:
+        own = [p for p in m.parameters() if id(p) in before]
+        return bool(own) and all(id(p) in vision_ids for p in own)
+
+    vision_gated = any(n.endswith(("gate_proj", "gate_up")) and in_vision(m) for n, m in model.named_modules())
+    decoder_blocks = [b for b in blocks if not in_vision(b)]
+    block_sizes = [sum(p.numel() for p in b.parameters()) for b in decoder_blocks] or [0]
+    in_blocks = {id(p) for b in decoder_blocks for p in b.parameters()}
+    root = sum(p.numel() for i, p in params.items() if i not in in_blocks)
+    has_vision = vision_cfg is not None and vision > 0
+    vision_stack = _stack(vision_cfg, vision_gated, ("embed_dim", "hidden_size", "d_model")) if has_vision else None
+    return ModelSpec(name, language, vision, trainable, quantized, root, max(block_sizes), vocab,
+                     _stack(text_cfg, gated=True), vision_stack)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The run's settings the estimate reads (``settings_from(cfg)``)."""
+    tokens: int                     # per batch: --max-tokens
+    targets: int                    # target tokens of the batch (at most tokens; default: all)
+    patches: int = 0                # vision patches of the batch (--max-patches)
+    workers: int = 1
+    fsdp: bool = False
+    checkpointing: bool = False
+    bf16: bool = False
+    attention: str = "sdpa"         # 'flash' (no mask), 'sdpa' (a T^2 mask), 'eager' (T^2 per head and layer)
+    chunk: int = 1024
+
+
+def settings_from(cfg, cuda: bool, targets: int | None = None) -> Settings:
+    """Settings of a Config, on a CUDA worker (``cuda``) or a CPU one."""
+    from ray_mmbatch.models.hf_common import resolve_attn_implementation
+    from ray_mmbatch.models.loss import LOSS_CHUNK_TOKENS
+
+    precision = cfg.train.precision
+    impl = "builtin" if not cfg.model.path else resolve_attn_implementation(cfg.model.attn_implementation,
+                                                                            "cuda" if cuda else "cpu")
+    attention = "flash" if "flash" in impl or impl == "builtin" else "eager" if impl == "eager" else "sdpa"
+    tokens = int(cfg.budget.max_tokens)
+    return Settings(tokens=tokens, targets=min(tokens, targets if targets is not None else tokens),
+                    patches=int(cfg.budget.max_patches or 0), workers=max(1, int(cfg.train.num_workers)),
+                    fsdp=bool(cfg.train.fsdp), checkpointing=bool(cfg.model.gradient_checkpointing),
+                    bf16=precision == "bf16" or (precision == "auto" and cuda), attention=attention,
+                    chunk=LOSS_CHUNK_TOKENS)
+
+
+def layer_bytes_per_token(s: Stack, bf16: bool, kv_repeated: bool = False) -> int:
+    """Activations one decoder layer keeps for the backward, per token: the residual and the two norms' fp32
+    inputs and normalized values (4d fp32); the norms' outputs as the projections read them, q, k, v, the
+    attention output, and the MLP's gate, up, activation and product (a bytes each: 2 bf16, 4 fp32).
+    ``kv_repeated``: sdpa with a mask gets k and v repeated to every query head (transformers' repeat_kv)."""
+    a = 2 if bf16 else 4
+    mlp = 4 * s.intermediate if s.gated else 2 * s.intermediate
+    kv = s.hidden if kv_repeated else s.kv_dim
+    return 4 * 4 * s.hidden + a * (4 * s.hidden + 2 * kv + mlp)
+
+
+def vision_bytes_per_patch(s: Stack, bf16: bool) -> int:
+    """A vision block per patch: LayerNorm inputs and outputs, q, k, v, attention output (8 dv) and the MLP."""
+    a = 2 if bf16 else 4
+    return a * (8 * s.hidden + (4 if s.gated else 2) * s.intermediate)
+
+
+def estimate(spec: ModelSpec, st: Settings) -> list[Item]:
+    """The items of the peak per GPU (module docstring); their sum is the estimate."""
+    w = st.workers if st.fsdp else 1
+    t, d, v = spec.text, spec.text.hidden, spec.vocab
+    P, Pt, Pq = spec.total_params, spec.trainable_params, spec.quantized_params
+    items = []
+    weights = (P - Pq) * 4 + Pq * (0.5 + 0.016)
+    text = f"{P:,} params x 4 B" + (f" ({Pq:,} in 4-bit: 0.516 B)" if Pq else "")
+    if st.fsdp:
+        gathered = (spec.root_params + 2 * spec.block_params) * (2 if st.bf16 else 4)
+        weights = weights / w + gathered
+        text = f"{P:,} x 4 B / {w} workers + root unit and 2 blocks gathered"
+    elif st.bf16:
+        weights += Pt * 2
+        text += f" + {Pt:,} trainable x 2 B (autocast's bf16 copies)"
+    items.append(Item("weights", weights, text))
+    items.append(Item("gradients", Pt * 4 / w, f"{Pt:,} trainable x 4 B" + (f" / {w}" if w > 1 else "")))
+    items.append(Item("optimizer (AdamW m, v)", Pt * 8 / w, f"{Pt:,} trainable x 8 B" + (f" / {w}" if w > 1 else "")
+                      + "; weights are fp32: no master copy"))
+    per_layer = layer_bytes_per_token(t, st.bf16, kv_repeated=st.attention != "flash")
+    if st.checkpointing:
+        acts = st.tokens * (t.layers * 4 * d + per_layer)
+        text = f"{st.tokens:,} tokens x ({t.layers} layers x 4 x {d} + one layer's {per_layer:,} B)"
+    else:
+        acts = st.tokens * t.layers * per_layer
+        text = f"{st.tokens:,} tokens x {t.layers} layers x {per_layer:,} B"
+    acts += st.tokens * 3 * d * 4
+    items.append(Item("activations (language)", acts, text + f" + final norm {3 * 4 * d} B/token"))
+    if spec.vision is not None:
+        pv = vision_bytes_per_patch(spec.vision, st.bf16)
+        layers = 1 if st.checkpointing else spec.vision.layers
+        items.append(Item("activations (vision)", st.patches * layers * pv,
+                          f"{st.patches:,} patches x {layers} layers x {pv:,} B" if st.patches else
+                          "0: no --max-patches, images unbounded (set it to count them)"))
+    if st.attention != "flash":  # a packed / padded batch's mask: bool, then per layer sdpa's additive copy
+        a = 2 if st.bf16 else 4
+        mask = st.tokens ** 2 * (1 + t.layers * a)
+        text = f"{st.tokens:,}^2 x (1 B bool + {t.layers} layers x {a} B additive)"
+        if st.attention == "eager":
+            mask += t.layers * t.heads * st.tokens ** 2 * 2 * a
+            text += f" + {t.layers} layers x {t.heads} heads x T^2 x 2 x {a} B (eager scores, probabilities)"
+        items.append(Item("attention mask / scores", mask, text))
+    c = min(st.chunk, st.targets)
+    items.append(Item("logits chunk", 3 * c * v * 4, f"3 x {c:,} targets x {v:,} vocab x 4 B"))
+    return items
+
+
+def total(items: list[Item]) -> float:
+    return sum(i.bytes for i in items)
+
+
+def format_table(items: list[Item], measured: float | None = None) -> str:
+    width = max(len(i.name) for i in items)
+    lines = [f"{'item':<{width}}  {'GiB':>9}  formula"]
+    lines += [f"{i.name:<{width}}  {i.bytes / GiB:>9.3f}  {i.formula}" for i in items]
+    lines.append(f"{'total (estimate)':<{width}}  {total(items) / GiB:>9.3f}")
+    if measured is not None:
+        lines.append(f"{'measured peak':<{width}}  {measured / GiB:>9.3f}  "
+                     f"({(total(items) - measured) / max(measured, 1):+.1%} estimate vs measured)")
+    return "\n".join(lines)
+
+
+# --- measuring -------------------------------------------------------------------------------------------------
+
+def _hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _malloc_returns_memory() -> None:
+    """glibc: every allocation of 64 KiB or more its own mapping, unmapped when freed, so that RSS follows the live
+    tensors (by default the threshold grows to 32 MiB after the first large free, and freed heap stays resident)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, 64 * 1024)   # M_MMAP_THRESHOLD (setting it stops glibc's dynamic threshold)
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _RssPeak:
+    """Peak RSS growth over a block: VmHWM reset through /proc/self/clear_refs (Linux), else psutil sampling."""
+
+    def __enter__(self):
+        import psutil
+
+        self._proc = psutil.Process()
+        self.base = self._proc.memory_info().rss
+        self._exact = _reset_hwm() and _hwm_bytes() is not None
+        self._peak, self._stop = self.base, False
+        if not self._exact:
+            import threading
+
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop:
+            self._peak = max(self._peak, self._proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop = True
+        if self._exact:
+            self._peak = _hwm_bytes()
+        else:
+            self._thread.join()
+        self.growth = max(0, self._peak - self.base)
+
+
+def synthetic_pack(tokens: int, vocab: int, avoid: set[int], seed: int = 0,
+                   sample_tokens: int = SYNTHETIC_SAMPLE_TOKENS) -> dict:
+    """A text-only pack of ``tokens`` tokens, every one a target, in samples of ``sample_tokens``; numpy, as the
+    Train workers receive it (batching/collate.py layout)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(10, max(11, min(vocab, 1000)), tokens).astype(np.int64)
+    ids[np.isin(ids, list(avoid))] = 10
+    lens = [min(sample_tokens, tokens - s) for s in range(0, tokens, sample_tokens)]
+    labels = np.roll(ids, -1)
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    labels[cu[1:] - 1] = ids[0]  # each sample's last position still a target (all-target worst case)
+    return {"mode": "pack", "input_ids": ids[None], "labels": labels[None],
+            "position_ids": np.concatenate([np.arange(n) for n in lens])[None].astype(np.int64),
+            "cu_seqlens": cu, "max_seqlen": int(max(lens)), "seq_lens": np.array(lens, np.int32),
+            "real_tokens": tokens, "target_tokens": tokens}
+
+
+def _one_step(cfg, backend, ids: dict, batch: dict, dev, steps: int = 1) -> None:
+    """Build the model as a run does (create_model, freeze / LoRA), its optimizer, and take ``steps`` steps."""
+    from ray_mmbatch.models.trainable import configure_trainable
+    from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step
+
+    model = backend.create_model(cfg, ids)
+    configure_trainable(model, cfg)
+    model = model.to(dev)
+    train_cfg = dataclasses.replace(cfg.train, lr=cfg.train.lr or 1e-5)  # unset: the fine-tune default's
+    optimizer, scheduler = build_optimizer(model, train_cfg, 10)
+    for _ in range(steps):
+        optimizer_step(model, [batch_to_torch(batch, dev)], optimizer, scheduler, train_cfg, dev)
+
+
+def measure_peak(cfg, steps: int = 2, device: str | None = None) -> dict[str, Any]:
+    """Peak memory of ``steps`` optimizer steps (train/step.py) at the budget, on a synthetic all-target text pack:
+    {"device", "peak_bytes", "tokens"}. The model is built as a run builds it (create_model, freeze / LoRA).
+    CUDA: the allocator's peak; CPU: the growth of peak RSS from before the model is built. A 256-token step
+    runs first, outside the measure: the process's one-time costs (thread pools, kernels' buffers, lazy imports)
+    are no part of a step's memory."""
+    import torch
+
+    from ray_mmbatch.models import configure, get_backend, token_ids
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu":
+        _malloc_returns_memory()
+    cfg = configure(cfg)
+    ids = token_ids(cfg)
+    backend = get_backend(cfg)
+    avoid = {ids["image_token_id"], ids["pad_id"]}
+    vocab = ids["vocab_size"]
+    batch = synthetic_pack(int(cfg.budget.max_tokens), vocab, avoid)
+    torch.manual_seed(cfg.train.seed)
+    _one_step(cfg, backend, ids, synthetic_pack(min(256, batch["real_tokens"]), vocab, avoid), dev)  # one-time costs
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+    with _RssPeak() as rss:
+        _one_step(cfg, backend, ids, batch, dev, steps)
+    peak = torch.cuda.max_memory_allocated(dev) - base if dev.type == "cuda" else rss.growth
+    return {"device": str(dev) if dev.type == "cpu" else torch.cuda.get_device_name(dev),
+            "peak_bytes": int(peak), "tokens": int(cfg.budget.max_tokens),
+            "method": "torch.cuda.max_memory_allocated" if dev.type == "cuda" else
+            ("VmHWM growth" if rss._exact else "RSS sampling") + f" (pid {os.getpid()})"}
