@@ -54,7 +54,7 @@ def backend_module(name: str) -> ModuleType:
 
 
 def checkpoint_model_type(path: str) -> str:
-    """``model_type`` of an HF checkpoint directory (its config.json; a bucket's: this node's copy, formats/fetch.py)."""
+    """``model_type`` of an HF checkpoint directory (its config.json; a bucket's: this node's copy, formats/fetch)."""
     from ray_mmbatch.formats.fetch import local_checkpoint
 
     path = local_checkpoint(path)
