@@ -161,7 +161,7 @@ def test_checkpoints_at_each_share_of_the_run_short_of_the_end():
 
 def test_the_plan_states_samples_steps_lr_and_tokens(ckpt):
     cfg = _parse(["--model", str(ckpt), "--max-tokens", "2048", "--grad-accum", "2", "--num-workers", "2"])
-    plan = make_plan(cfg, 1000, 400.0)
+    plan = make_plan(cfg, 1000, 400.0, sampled=64)
     # 2048 / 400 = 5.12 samples a batch, x 2 micro-batches x 2 ranks = 20.48 samples a step
     assert plan["steps_per_epoch_estimate"] == math.ceil(1000 / 20.48) == 49
     assert plan["tokens_per_step"] == 2048 * 2 * 2 and plan["epochs"] == 3 and plan["max_steps"] == 0
@@ -170,7 +170,8 @@ def test_the_plan_states_samples_steps_lr_and_tokens(ckpt):
     assert plan["output_dir"] == "runs/Qwen2-VL-2B-Instruct" and "qwen2_5vl_full_sft" in plan["defaults_from"]["lr"]
     text = "\n".join(plan_lines(plan, cfg))
     for part in ("1,000 samples per epoch", "3 epochs", "about 49 optimizer steps per epoch (147 in 3)",
-                 "an estimate", "learning rate 1e-05", "first 10% of the samples", "cosine decay to 1e-06",
+                 "an estimate", "mean of the first 64 samples read", "learning rate 1e-05", "first 10% of the samples",
+                 "cosine decay to 1e-06",
                  "8,192 tokens per optimizer step", "--max-tokens 2048 x --grad-accum 2 x --num-workers 2"):
         assert part in text, (part, text)
     json.dumps(plan)  # summary.json holds it
@@ -221,4 +222,5 @@ def test_train_with_a_checkpoint_states_its_plan_first(tmp_path, monkeypatch, ca
     first = out.index("[train] plan (full fine-tune): 24 samples per epoch (counted up front) x 3 epochs")
     assert first < out.index("[train] training -> " + str(tmp_path / "runs" / "my-qwen"))
     assert f"about {plan['steps_per_epoch_estimate']} optimizer steps per epoch" in out
+    assert plan["tokens_per_sample_from"] == 24 and "mean of the first 24 samples read" in out
     assert "learning rate 1e-05" in out and "1,024 tokens per optimizer step" in out

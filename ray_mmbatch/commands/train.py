@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     from ray_mmbatch.run.plan import plan_lines
     from ray_mmbatch.train.trainer import run_plan, run_training
 
-    plan = run_plan(cfg, seen.get("tokens_per_sample"))  # stated now, kept in summary.json
+    plan = run_plan(cfg, seen.get("tokens_per_sample"), seen["samples_checked"] - seen["skipped"])  # summary.json
     for line in plan_lines(plan, cfg):
         print(f"[train] {line}", flush=True)
 

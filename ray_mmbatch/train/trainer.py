@@ -137,17 +137,17 @@ def samples_per_epoch(cfg: Config) -> int:
     return round(count_samples(cfg.data.path, cfg.data) * (1 - (held[1] if held else 0)))
 
 
-def run_plan(cfg: Config, tokens_per_sample: float | None = None) -> dict[str, Any]:
+def run_plan(cfg: Config, tokens_per_sample: float | None = None, sampled: int = 0) -> dict[str, Any]:
     """summary.json's ``plan`` (run/plan.py) of the resolved ``cfg``: the samples counted up front, and with
-    ``tokens_per_sample`` (the pre-flight's mean) an estimate of the steps per epoch. A count that fails
-    leaves the samples out of the plan; the run itself says why when it reads them."""
+    ``tokens_per_sample`` (the pre-flight's mean over ``sampled`` samples) an estimate of the steps per epoch.
+    A count that fails leaves the samples out of the plan; the run itself says why when it reads them."""
     from ray_mmbatch.run.plan import make_plan
 
     try:
         samples = samples_per_epoch(cfg)
     except (OSError, ValueError):
         samples = None
-    return make_plan(cfg, samples, tokens_per_sample)
+    return make_plan(cfg, samples, tokens_per_sample, sampled)
 
 
 def _worker_resources(cfg: Config) -> dict[str, float]:
