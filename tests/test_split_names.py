@@ -177,6 +177,17 @@ def test_split_aliases_and_the_held_out_pick():
     assert splits._wanted(splits.HELD_OUT, {"train_sft": ["a"], "test_sft": ["b"]}) == "validation"  # refused later
 
 
+def test_a_save_to_disk_dataset_dict_has_one_folder_per_split(tmp_path):
+    _write(tmp_path, ["train_sft/data-00000-of-00001.arrow", "train_sft/state.json",
+                      "test_sft/data-00000-of-00001.arrow", "test_sft/state.json"])
+    (tmp_path / "dataset_dict.json").write_text(json.dumps({"splits": ["train_sft", "test_sft"]}))
+    listing = formats.fs.list_files(str(tmp_path))
+    assert splits.found(str(tmp_path), listing) == {"test_sft": 2, "train_sft": 2}  # as load_from_disk names them
+    fmt, _, files = formats.resolve(str(tmp_path), "auto", "train_sft")
+    assert fmt == "arrow" and [formats.fs.relative(f, str(tmp_path)) for f in files] == [
+        "train_sft/data-00000-of-00001.arrow"]
+
+
 def _parquet(root, rel, ids):
     (root / rel).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(conversations_table(len(ids), ids), root / rel)

@@ -56,11 +56,11 @@ def canonical(name: str) -> str:
     return ALIASES.get(name.lower(), name)
 
 
-def _dict_splits(root: str, files: list[str]) -> frozenset:
+def _dict_splits(files: list[str], rels: list[str]) -> frozenset:
     """The split folders of a save_to_disk DatasetDict (dataset_dict.json at the root), else empty."""
     import json
 
-    marker = [f for f in files if fs.relative(f, root) == "dataset_dict.json"]
+    marker = [f for f, r in zip(files, rels) if r == "dataset_dict.json"]
     if not marker:
         return frozenset()
     try:
@@ -90,11 +90,10 @@ class Selection:
         return {s: rels for s, rels in out.items() if rels}
 
 
-def _split_map(root: str, files: list[str]) -> tuple[dict[str, list[str]], list[str]]:
+def _split_map(files: list[str], rels: list[str]) -> tuple[dict[str, list[str]], list[str]]:
     """({split: relative data files} or {} when the folder names no split, [data files in no split])."""
-    rels = [fs.relative(f, root) for f in files]
     data = [r for r in rels if _is_data(r)]
-    dict_splits = _dict_splits(root, files)
+    dict_splits = _dict_splits(files, rels)
     if dict_splits:  # a save_to_disk DatasetDict: load_from_disk's one folder per split
         found = {s: [r for r in data if r.split("/", 1)[0] == s] for s in sorted(dict_splits)}
     else:
@@ -116,7 +115,8 @@ def _wanted(split: str, found: dict[str, list[str]]) -> str:
 
 def selection(root: str, files: list[str], split: str) -> Selection:
     """The ``Selection`` of ``split`` in a folder's listing (ValueError when the folder has no such split)."""
-    found, unsplit = _split_map(root, files)
+    rels = [fs.relative(f, root) for f in files]
+    found, unsplit = _split_map(files, rels)
     if not found:
         return Selection("", files, {}, [])
     want = _wanted(split, found)
@@ -124,7 +124,7 @@ def selection(root: str, files: list[str], split: str) -> Selection:
         raise ValueError(f"{root} holds the splits {counts(found)} (named as HF datasets names them) but no "
                          f"{want!r}: pick one with --split NAME (or PATH#split=NAME)")
     keep = set(found[want])
-    return Selection(want, [f for f in files if fs.relative(f, root) in keep], found, unsplit)
+    return Selection(want, [f for f, r in zip(files, rels) if r in keep], found, unsplit)
 
 
 def counts(found: dict[str, list[str]]) -> dict[str, int]:
@@ -133,7 +133,7 @@ def counts(found: dict[str, list[str]]) -> dict[str, int]:
 
 def found(root: str, files: list[str]) -> dict[str, int]:
     """{split: data files} of a listing ({} when no file names a split)."""
-    return counts(_split_map(root, files)[0])
+    return counts(_split_map(files, [fs.relative(f, root) for f in files])[0])
 
 
 def select(root: str, files: list[str], split: str) -> list[str]:
@@ -170,8 +170,8 @@ def configs(root: str, files: list[str] | None = None) -> list[str]:
         return []
     files = fs.list_files(root) if files is None else files
     tops: dict[str, int] = {}
-    for f in files:
-        rel = fs.relative(f, root)
+    rels = [fs.relative(f, root) for f in files]
+    for rel in rels:
         if "/" not in rel:
             if rel.lower().endswith(DATA_EXTS):
                 return []  # data at the top: one dataset (its folders are part of it)
@@ -182,7 +182,7 @@ def configs(root: str, files: list[str] | None = None) -> list[str]:
     names = sorted(tops)
     if len(names) < 2 or any(n in NOT_SPLITS or _SPLIT_DIR.match(n + "/x") for n in names):
         return []
-    if _dict_splits(root, files):
+    if _dict_splits(files, rels):
         return []
     return names
 
