@@ -126,3 +126,14 @@ def test_a_token_cluster_is_joined_without_auth_mode_and_refusals_say_the_fix_at
     assert "RAY_AUTH_MODE=disabled" in out["auth_disabled"][0]
     assert f"no Ray cluster listens at 127.0.0.1:{dead}" in out["dead_address"][0]
     assert all("\n" not in msg and s < 10 for msg, s in out.values()), out  # not 20 s of retries
+
+
+def test_only_an_address_where_nothing_listens_is_dead():
+    from ray_mmbatch.run.cluster import join_check
+
+    assert join_check(f"127.0.0.1:{_free_port()}") == "dead"
+    with socket.socket() as server:  # something listens but is no Ray GCS: never called stale
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert join_check(f"127.0.0.1:{server.getsockname()[1]}", timeout=1.0) == "?"
+    assert join_check("ray://head:10001") == "?" and join_check("auto") == "?"  # Ray Client / Ray's own lookup

@@ -43,11 +43,10 @@ class ClusterError(ResourceError):
     A ResourceError: refused at start, before any stream, like a run that cannot be placed (exit 2)."""
 
 
-def _host_port(address: str) -> tuple[str, int] | None:
+def _is_host_port(address: str) -> bool:
+    """A GCS address (host:port, [v6]:port); not ray://, http://, 'auto' or 'local'."""
     host, sep, port = address.rpartition(":")
-    if not sep or "://" in address or not port.isdigit():
-        return None
-    return host.strip("[]") or "127.0.0.1", int(port)
+    return bool(sep and host and port.isdigit()) and "://" not in address
 
 
 def _ask(target: str, metadata: list | None, timeout: float) -> str:
@@ -77,10 +76,9 @@ def _token_header() -> list | None:
 def join_check(address: str, timeout: float = 3.0) -> str:
     """"open", "dead" or "?" for the GCS at ``address`` (module docstring); a token cluster is made "open" by
     switching this process to token mode with the token Ray keeps, or refused with ClusterError."""
-    hp = _host_port(address)
-    if hp is None:
+    if not _is_host_port(address):
         return "?"
-    target = f"{hp[0]}:{hp[1]}"
+    target = address
     try:
         answer = _ask(target, None, timeout)
     except ImportError:  # Ray's generated protocol moved: ray.init will say what it says
