@@ -259,6 +259,17 @@ def test_a_folder_of_json_lines_files_is_one_dataset_split_by_name(tmp_path):
     assert [r[S.SAMPLE_ID] for r in raw_rows(plain)] == ["part-0.jsonl:0#p", "part-1.json:0#q"]
 
 
+def test_images_never_decide_the_split(tmp_path):
+    """On purpose unlike HF (which would read the images of train2017/ as its train split and nothing else):
+    only data files decide, so LLaVA's JSON beside COCO's image folders is the dataset, read whole."""
+    _jsonl(tmp_path / "llava_v1_5_mix665k.jsonl", ["a"])
+    _write(tmp_path, ["coco/train2017/000000000009.jpg", "coco/val2017/000000000139.jpg"])
+    assert _hf(tmp_path)[1] == {"train": ["coco/train2017/000000000009.jpg"],
+                                "validation": ["coco/val2017/000000000139.jpg"]}
+    fmt, _, files = formats.resolve(str(tmp_path))
+    assert fmt == "llava" and [f.rsplit("/", 1)[1] for f in files] == ["llava_v1_5_mix665k.jsonl"]
+
+
 def test_eval_data_on_a_folder_of_train_files_warns(tmp_path, caplog):
     _parquet(tmp_path / "only", "train-00000-of-00001.parquet", ["a", "b"])
     _parquet(tmp_path / "sft", f"data/train_sft-00000-of-00001{H}.parquet", ["a", "b", "c"])
