@@ -174,7 +174,11 @@ def test_split_aliases_and_the_held_out_pick():
         "validation", "validation", "test", "train", "validation"]
     shards = {"train": ["a"], "dev": ["b"]}  # a shard split named dev keeps its name; --split dev reads it
     assert splits._wanted("dev", shards) == "dev" and splits._wanted(splits.HELD_OUT, shards) == "dev"
-    assert splits._wanted(splits.HELD_OUT, {"train_sft": ["a"], "test_sft": ["b"]}) == "validation"  # refused later
+    assert splits._wanted(splits.HELD_OUT, {"train_sft": ["a"], "test_sft": ["b"]}) == "test_sft"
+    assert splits._wanted(splits.HELD_OUT, {"test_sft": ["a"], "test_gen": ["b"]}) == splits.HELD_OUT  # which one?
+    with pytest.raises(ValueError, match=r"none is the one held-out split: name it, --eval-data 'R#split=NAME'"):
+        splits.selection("R", ["R/data/test_sft-00000-of-00001.parquet", "R/data/test_gen-00000-of-00001.parquet"],
+                         splits.HELD_OUT)
 
 
 def test_a_save_to_disk_dataset_dict_has_one_folder_per_split(tmp_path):

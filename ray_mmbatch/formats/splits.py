@@ -7,9 +7,10 @@ splits such as ``train_sft`` keep their name), else a keyword folder (``train/``
 ``my-dataset.dev.jsonl``, ``cc3m-validation-0000.tar``, ``test_0.jsonl``); a folder with none is read whole,
 whatever the split. Reading every file would train on the test and validation splits: ``select`` keeps the
 files of the chosen split (``data.split``, ``--split``, default "train"; ``PATH#split=NAME``;
-``--eval-data`` reads the validation split, else the test split, else a folder's only split, and warns
-when that is train) and never lists the others to a reader. A split asked for by an alias (``--split dev``)
-is the split HF names (validation), unless the shards gave the folder a split of that very name.
+``--eval-data`` reads the validation split, else the test split, else its one custom split named so
+(``test_sft``), else a folder's only split, and warns when that is train) and never lists the others to a
+reader. A split asked for by an alias (``--split dev``) is the split HF names (validation), unless the
+shards gave the folder a split of that very name.
 
 Only data files (DATA_EXTS) decide, so a LLaVA JSON beside ``coco/train2017/*.jpg`` is not outvoted by its
 images. In a folder with split names, data files no pattern matches are not read (HF does not read them
@@ -108,8 +109,8 @@ def _wanted(split: str, found: dict[str, list[str]]) -> str:
         for name in ("validation", "test"):
             if name in found:
                 return name
-        held = [s for s in found if canonical(s) in ("validation", "test")]
-        return held[0] if held else next(iter(found)) if len(found) == 1 else "validation"
+        held = [s for s in found if canonical(_first_word(s)) in ("validation", "test")]  # test_sft
+        return held[0] if len(held) == 1 else next(iter(found)) if len(found) == 1 else HELD_OUT
     return split if split in found else canonical(split or "train")
 
 
@@ -120,6 +121,9 @@ def selection(root: str, files: list[str], split: str) -> Selection:
     if not found:
         return Selection("", files, {}, [])
     want = _wanted(split, found)
+    if want == HELD_OUT:
+        raise ValueError(f"{root} holds the splits {counts(found)} (named as HF datasets names them) and none is "
+                         f"the one held-out split: name it, --eval-data '{root}#split=NAME'")
     if want not in found:
         raise ValueError(f"{root} holds the splits {counts(found)} (named as HF datasets names them) but no "
                          f"{want!r}: pick one with --split NAME (or PATH#split=NAME)")
@@ -156,9 +160,14 @@ def select(root: str, files: list[str], split: str) -> list[str]:
     return sel.files
 
 
+def _first_word(split: str) -> str:
+    """A custom split's keyword: train_sft -> train, test_gen -> test."""
+    return re.split(r"[-._ 0-9]", split, maxsplit=1)[0]
+
+
 def _is_train(split: str) -> bool:
     """train, training and their custom shards' names (train_sft, train_gen, train_prefs ...)."""
-    return canonical(re.split(r"[-._ 0-9]", split, maxsplit=1)[0]) == "train"
+    return canonical(_first_word(split)) == "train"
 
 
 _SPLIT_DIR = matcher([p for ps in DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME.values() for p in ps])
