@@ -332,7 +332,7 @@ class TrainConfig:
     """Fault drill: rank 0 SIGKILLs its own process after this step, once per run dir (0 = off)."""
     defaults_from: dict = field(default_factory=dict)
     """Filled in, not set: {field: where its value came from} for each setting above that was left to its
-    mode's default (run/defaults.py resolve_defaults), e.g. {"lr": "full fine-tune: ..."}."""
+    mode's default (run/defaults.py resolve_defaults), e.g. {"lr": "full fine-tune default: LLaMA-Factory ..."}."""
 
 
 @dataclass
@@ -575,7 +575,12 @@ def absolute_locations(cfg: Config) -> Config:
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
+    """``cfg`` as YAML, for ``--config``. A train setting its mode filled (``train.defaults_from``) is written as
+    auto (null, '' for output_dir), so it is filled again for the run that loads it: tune's best.yaml of a
+    demo run must not hand the demo's 3e-3 to a ``--model`` fine-tune as if the user had set it."""
     d = cfg.to_dict()
+    for name in d["train"].pop("defaults_from", None) or {}:
+        d["train"][name] = "" if name == "output_dir" else None
     for section in d.values():
         for k, v in section.items():
             if isinstance(v, tuple):

@@ -224,3 +224,17 @@ def test_train_with_a_checkpoint_states_its_plan_first(tmp_path, monkeypatch, ca
     assert f"about {plan['steps_per_epoch_estimate']} optimizer steps per epoch" in out
     assert plan["tokens_per_sample_from"] == 24 and "mean of the first 24 samples read" in out
     assert "learning rate 1e-05" in out and "1,024 tokens per optimizer step" in out
+
+
+def test_a_saved_config_leaves_the_modes_settings_to_the_run_that_loads_it(ckpt, tmp_path):
+    """tune's best.yaml (save_config) of a demo run, then `train --config best.yaml --model CKPT`: the fine-tune's
+    settings, not the demo's 3e-3 / 60 steps as if the user had set them; what the user set stays set."""
+    from ray_mmbatch.config import save_config
+
+    demo = _parse(["--max-tokens", "8192", "--epochs", "2"])
+    save_config(demo, tmp_path / "best.yaml")
+    saved = yaml.safe_load((tmp_path / "best.yaml").read_text())["train"]
+    assert saved["lr"] is None and saved["output_dir"] == "" and saved["epochs"] == 2 and "defaults_from" not in saved
+    cfg = _parse(["--config", str(tmp_path / "best.yaml"), "--model", str(ckpt)])
+    assert (cfg.train.lr, cfg.train.max_steps, cfg.train.epochs, cfg.budget.max_tokens) == (1e-5, 0, 2, 8192)
+    assert cfg.train.output_dir == "runs/Qwen2-VL-2B-Instruct"
