@@ -186,8 +186,9 @@ class ModelConfig:
     """The model: a local Hugging Face checkpoint or the built-in one, attention, and what trains (freeze, LoRA)."""
 
     path: str = flag("--model", "")
-    """A local Hugging Face checkpoint directory (config.json + weights + tokenizer + preprocessor_config.json);
-    empty = the small built-in model, trained from scratch."""
+    """A Hugging Face checkpoint directory (config.json + weights + tokenizer + preprocessor_config.json): a local
+    folder, or a bucket URI (s3://, gs://, abfs://) that each node copies once into ~/.cache/ray_mmbatch/models
+    (RAY_MMBATCH_MODEL_CACHE; formats/fetch.py); empty = the small built-in model, trained from scratch."""
     backend: str = flag("--backend", "auto")
     """Model backend (models/ registry): {backends}; 'auto' = from the checkpoint's model_type."""
     gradient_checkpointing: bool = flag("--gradient-checkpointing", False)

@@ -174,6 +174,8 @@ def test_short_train_from_s3_trains_every_sample_of_the_local_copy(ray_cluster, 
     bucket, path = fs.split(f"{cfg.train.storage}/run")
     stored = [i.path for i in bucket.get_file_info(pafs.FileSelector(path, recursive=True))]
     assert any(p.endswith("/state.json") for p in stored) and not (out / "ray_storage").exists(), stored
+    # rank 0's export (written on its node) is published beside them, where `ray down` does not take it
+    assert {f"{path}/{RunDir.EXPORT}/model.pt", f"{path}/{RunDir.EXPORT}/config.yaml"} <= set(stored), stored
     position = read_latest_position(tmp_path / "nowhere", f"{cfg.train.storage}/run")
     assert position is not None and position["epochs"], position
     trained = [sid for p in sorted((out / RunDir.LEDGER).glob("rank*.jsonl"))

@@ -78,10 +78,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     if args.throughput:
         return _throughput(cfg, args)
     from ray_mmbatch.dataflow.inspection import inspect_dataset
+    from ray_mmbatch.run.cluster import ClusterError
     from ray_mmbatch.run.progress import Progress
     from ray_mmbatch.train.trainer import connect
 
-    connect()
+    try:
+        connect()
+    except ClusterError as e:  # a cluster it may not join: the one-line fix, as train prints it
+        print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
+        return 2
     # on stderr: stdout is the JSON summary. Its terminal test from before quiet_ray piped fd 2
     with Progress("inspect", stream=sys.stderr, tty=tty, log_every_s=args.progress_every) as meter:
         summary = inspect_dataset(cfg, args.decode, progress=meter)

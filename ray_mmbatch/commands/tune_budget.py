@@ -66,8 +66,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     settings = grid(space)
     print(f"[tune] {len(settings)} trials, {args.warmup_steps}+{args.steps} steps each -> {Path(args.out).resolve()}",
           flush=True)
-    res = tune_budgets(cfg, settings, args.out, args.memory_limit_mb, args.warmup_steps, args.steps,
-                       verbose=args.verbose, metric=args.metric)
+    from ray_mmbatch.run.cluster import ClusterError
+
+    try:
+        res = tune_budgets(cfg, settings, args.out, args.memory_limit_mb, args.warmup_steps, args.steps,
+                           verbose=args.verbose, metric=args.metric)
+    except ClusterError as e:  # a cluster it may not join: the one-line fix, as train prints it
+        print(f"[tune] error: {e}", file=sys.stderr, flush=True)
+        return 2
     print(format_table(res["trials"]))
     if res["best"] is None:
         print("no feasible setting: raise --memory-limit-mb or lower the budgets", file=sys.stderr)

@@ -423,6 +423,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         full = fsdp.full_state_dict(bare, backend.state_prefix(bare)) if cfg.train.fsdp else None
         if rank == 0:
             _export(backend, bare, cfg, full)
+            # rank 0's node disk goes with the node (ray down): the export joins the checkpoints in --storage
+            ckpt.publish_export(cfg.train.output_dir, cfg.train.storage, ctx.get_experiment_name())
 
 
 def _export(backend, model, cfg: Config, full: dict | None) -> None:
