@@ -14,7 +14,8 @@ language and vision (tower + projector). The rest is a formula per item, in byte
                                                              (kv = d with sdpa and a mask: k, v repeated)
                  T x L x 4d + one layer's                    with gradient checkpointing (layer inputs only)
                  + T x 3d x 4                                the final norm and the head's input
-                 + vision: patches x Lv x a x (8 dv + 2 iv)  (4 iv for a gated MLP), with --max-patches
+                 + vision: patches x Lv x a x (8 dv + 2 iv)  (4 iv for a gated MLP), with --max-patches;
+                   checkpointed: patches x (Lv x 4 dv + one layer's)
                  + T^2 x (1 + L x a) with sdpa (the batch's bool mask, and each layer's additive copy,
                    saved for its backward), + L x heads x T^2 x 2a more with eager attention; none with flash
     logits       3 x C x V x 4, C = min(chunk, targets)      models/loss.py's chunk in its backward: the fp32
@@ -164,7 +165,7 @@ class Settings:
     fsdp: bool = False
     checkpointing: bool = False
     bf16: bool = False
-    attention: str = "sdpa"         # 'flash' (no mask), 'sdpa' (a T^2 mask), 'eager' (T^2 per head and layer)
+    attention: str = "sdpa"         # 'flash' / 'builtin' (no mask), 'sdpa' (T^2 masks), 'eager' (and T^2 scores)
     chunk: int = 1024
 
 
@@ -176,7 +177,7 @@ def settings_from(cfg, cuda: bool, targets: int | None = None) -> Settings:
     precision = cfg.train.precision
     impl = "builtin" if not cfg.model.path else resolve_attn_implementation(cfg.model.attn_implementation,
                                                                             "cuda" if cuda else "cpu")
-    attention = "flash" if "flash" in impl or impl == "builtin" else "eager" if impl == "eager" else "sdpa"
+    attention = impl if impl == "builtin" else "flash" if "flash" in impl else "eager" if impl == "eager" else "sdpa"
     tokens = int(cfg.budget.max_tokens)
     return Settings(tokens=tokens, targets=min(tokens, targets if targets is not None else tokens),
                     patches=int(cfg.budget.max_patches or 0), workers=max(1, int(cfg.train.num_workers)),
@@ -221,7 +222,8 @@ def estimate(spec: ModelSpec, st: Settings) -> list[Item]:
     items.append(Item("gradients", Pt * 4 / w, f"{Pt:,} trainable x 4 B" + (f" / {w}" if w > 1 else "")))
     items.append(Item("optimizer (AdamW m, v)", Pt * 8 / w, f"{Pt:,} trainable x 8 B" + (f" / {w}" if w > 1 else "")
                       + "; weights are fp32: no master copy"))
-    per_layer = layer_bytes_per_token(t, st.bf16, kv_repeated=st.attention != "flash")
+    masked = st.attention in ("sdpa", "eager")
+    per_layer = layer_bytes_per_token(t, st.bf16, kv_repeated=masked)
     if st.checkpointing:
         acts = st.tokens * (t.layers * 4 * d + per_layer)
         text = f"{st.tokens:,} tokens x ({t.layers} layers x 4 x {d} + one layer's {per_layer:,} B)"
@@ -231,12 +233,15 @@ def estimate(spec: ModelSpec, st: Settings) -> list[Item]:
     acts += st.tokens * 3 * d * 4
     items.append(Item("activations (language)", acts, text + f" + final norm {3 * 4 * d} B/token"))
     if spec.vision is not None:
-        pv = vision_bytes_per_patch(spec.vision, st.bf16)
-        layers = 1 if st.checkpointing else spec.vision.layers
-        items.append(Item("activations (vision)", st.patches * layers * pv,
-                          f"{st.patches:,} patches x {layers} layers x {pv:,} B" if st.patches else
+        pv, lv, dv = vision_bytes_per_patch(spec.vision, st.bf16), spec.vision.layers, spec.vision.hidden
+        if st.checkpointing:
+            vis = st.patches * (lv * 4 * dv + pv)
+            text = f"{st.patches:,} patches x ({lv} layers x 4 x {dv} + one layer's {pv:,} B)"
+        else:
+            vis, text = st.patches * lv * pv, f"{st.patches:,} patches x {lv} layers x {pv:,} B"
+        items.append(Item("activations (vision)", vis, text if st.patches else
                           "0: no --max-patches, images unbounded (set it to count them)"))
-    if st.attention != "flash":  # a packed / padded batch's mask: bool, then per layer sdpa's additive copy
+    if masked:  # a packed / padded batch's mask: bool, then per layer sdpa's additive copy
         a = 2 if st.bf16 else 4
         mask = st.tokens ** 2 * (1 + t.layers * a)
         text = f"{st.tokens:,}^2 x (1 B bool + {t.layers} layers x {a} B additive)"
