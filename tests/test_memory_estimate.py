@@ -55,6 +55,22 @@ def test_parameter_counts_equal_the_real_model(kind, lora, qwen):
     assert (lora_params > 0) == bool(lora) and (spec.trainable_params == lora_params if lora else True)
 
 
+@pytest.mark.parametrize("maker", ["hf_llava_checkpoint.make_llava_checkpoint",
+                                   "hf_gemma3_checkpoint.make_gemma3_checkpoint"])
+def test_other_families_count_exactly(maker, tmp_path):
+    """LLaVA (CLIP tower + projector) and Gemma 3 (SigLIP, tied embeddings): the same exact counts."""
+    import importlib
+
+    module, fn = maker.split(".")
+    cfg = _cfg(str(getattr(importlib.import_module(f"tests.{module}"), fn)(tmp_path / "ck")))
+    spec = M.model_spec(cfg)
+    model = _real(cfg)
+    parts = T.part_parameters(model)
+    assert spec.total_params == sum(p.numel() for p in model.parameters())
+    assert spec.vision_params == sum(p.numel() for part in ("vision", "projector") for _, p in parts[part]) > 0
+    assert spec.vision is not None and spec.text.layers == 2 and spec.block_params > 0
+
+
 def test_lora_shrinks_gradients_and_optimizer_and_fsdp_divides_by_workers(qwen):
     full = M.model_spec(_cfg(qwen))
     lora = M.model_spec(_cfg(qwen, lora_rank=8))
