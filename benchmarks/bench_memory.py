@@ -7,10 +7,10 @@ target tokens: the unchunked formula (``F.cross_entropy(head(h).float(), y)``, t
 address space is capped at --limit-gb (RLIMIT_AS): a case that needs more stops with an allocation error and is
 recorded as "over N GB" instead of pushing a shared machine into the OOM killer. Peak = growth of the process's
 peak RSS (VmHWM, reset through /proc/self/clear_refs) over the loss + backward, glibc's mmap threshold pinned at
-64 KiB so RSS follows the live tensors (train/memory.py, the same helpers --measure uses).
+64 KiB so RSS follows the live tensors (train/peak.py, the helpers --measure uses).
 
 (b) The tiny random Qwen2-VL of the tests (tests/hf_checkpoints.py), fp32 on CPU, at --budgets tokens: the
-estimate (train/memory.estimate, as `ray-mmbatch plan` prints it) against ``train/memory.measure_peak`` (two real
+estimate (train/memory.estimate, as `ray-mmbatch plan` prints it) against ``train/peak.measure_peak`` (two real
 optimizer steps of train/step.py on a synthetic all-target pack), each measure in a fresh subprocess. The
 target is within 15 %.
 
@@ -37,9 +37,9 @@ limit, vocab = int(float(sys.argv[4]) * 2**30), int(sys.argv[5])
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 import torch, torch.nn.functional as F
 from ray_mmbatch.models.loss import target_cross_entropy
-from ray_mmbatch.train import memory as M
+from ray_mmbatch.train import peak
 targets, hidden, chunked = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "chunked"
-M._malloc_returns_memory()
+peak.malloc_returns_memory()
 torch.manual_seed(0)
 head = torch.nn.Linear(hidden, vocab, bias=False)
 h = torch.randn(1, targets, hidden, requires_grad=True)
@@ -51,7 +51,7 @@ with torch.no_grad():  # warm-up: one-time costs (thread pools, kernels' buffers
     target_cross_entropy(head, h[:, :64], y[:, :64], "sum")
 start = time.perf_counter()
 try:
-    with M._RssPeak() as rss:
+    with peak.RssPeak() as rss:
         loss_fn().backward()
     out = {"peak_bytes": rss.growth, "time_s": time.perf_counter() - start, "ok": True}
 except (RuntimeError, MemoryError) as e:
@@ -62,10 +62,10 @@ print(json.dumps(out))
 MEASURE_CASE = """
 import json, sys
 from ray_mmbatch.config import Config
-from ray_mmbatch.train import memory as M
+from ray_mmbatch.train.peak import measure_peak
 cfg = Config()
 cfg.model.path, cfg.train.precision, cfg.budget.max_tokens = sys.argv[1], "fp32", int(sys.argv[2])
-print(json.dumps(M.measure_peak(cfg)))
+print(json.dumps(measure_peak(cfg)))
 """
 
 

@@ -134,9 +134,12 @@ def test_plan_command_end_to_end(tmp_path, capsys):
     assert report["total_bytes"] == pytest.approx(sum(i["bytes"] for i in report["items"]))
     assert report["settings"]["tokens"] == 512 and report["measured"]["peak_bytes"] > 0
     assert report["params"]["total"] == report["params"]["language"] + report["params"]["vision"]
+    # one process cannot measure FSDP's sharding: refused, not measured as if unsharded
+    assert cli.main(["plan", "--max-tokens", "512", "--fsdp", "--num-workers", "2", "--measure"]) == 2
 
 
-def test_the_estimate_module_imports_no_ray():
-    code = "import sys, ray_mmbatch.train.memory; assert 'ray' not in sys.modules, 'imports ray'"
+def test_the_estimate_and_measure_modules_import_no_ray():
+    code = ("import sys, ray_mmbatch.train.memory, ray_mmbatch.train.peak; "
+            "assert 'ray' not in sys.modules, 'imports ray'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-1500:]

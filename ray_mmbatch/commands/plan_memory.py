@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     import torch
 
     from ray_mmbatch.train import memory as M
+    from ray_mmbatch.train.peak import measure_peak
 
     cuda_here = torch.cuda.is_available()
     cuda = {"yes": True, "no": False}.get(args.gpu, bool(cfg.train.use_gpu) or cuda_here)
@@ -54,11 +55,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     items = M.estimate(spec, settings)
     measured = None
     if args.measure:
+        if settings.fsdp and settings.workers > 1:
+            print("[plan] --measure runs one process: it cannot measure FSDP's sharding (drop --fsdp to measure one "
+                  "unsharded worker)", file=sys.stderr, flush=True)
+            return 2
         if cfg.model.qlora and not cuda_here:
             print("[plan] --measure with --qlora needs a CUDA GPU here (4-bit layers run on CUDA only)",
                   file=sys.stderr, flush=True)
             return 2
-        measured = M.measure_peak(cfg)
+        measured = measure_peak(cfg)
     workers = f", {settings.workers} workers (FSDP)" if settings.fsdp else ""
     print(f"[plan] {spec.name}: {spec.total_params:,} params ({spec.language_params:,} language, "
           f"{spec.vision_params:,} vision), {spec.trainable_params:,} trainable; {settings.tokens:,} tokens "
