@@ -63,6 +63,8 @@ def _field_docs(section_cls: type) -> dict[str, str]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    from ray_mmbatch.run.defaults import by_mode
+
     defaults = Config()
     parser.add_argument("--config", metavar="FILE.yaml", help="YAML config (sections image/text/budget/model/"
                         "train/data); command-line flags override it")
@@ -79,8 +81,9 @@ def add_config_flags(parser: argparse.ArgumentParser, only: tuple[str, ...] | No
         if key == "data.path":  # --data repeated: several sources (formats/sources.py), PATH or PATH#WEIGHT
             extra = {"action": "append"}
             doc += "; repeat it for several datasets trained together, each PATH or PATH#WEIGHT"
+        shown = by_mode(key) or repr(default)  # a setting left to the mode: its values per mode (run/defaults.py)
         parser.add_argument(flag, dest=key, default=None, metavar=type(default).__name__.upper() if
-                            default is not None else "VALUE", help=f"{doc} (default: {default!r})", **extra)
+                            default is not None else "VALUE", help=f"{doc} (default: {shown})", **extra)
 
 
 def add_console_flags(parser: argparse.ArgumentParser) -> None:

@@ -42,6 +42,7 @@ def _default(value) -> str:
 def config_rows() -> dict[str, list[tuple[str, str, str, str]]]:
     """{section: [(flag or '', 'section.field', default, doc)]} for every field of Config, in declaration order."""
     from ray_mmbatch.cli import _field_doc
+    from ray_mmbatch.run.defaults import by_mode
 
     cfg = Config()
     out: dict[str, list[tuple[str, str, str, str]]] = {}
@@ -49,7 +50,10 @@ def config_rows() -> dict[str, list[tuple[str, str, str, str]]]:
         sec = getattr(cfg, section.name)
         rows = []
         for f in dataclasses.fields(sec):
-            rows.append((f.metadata.get("flag", ""), f"{section.name}.{f.name}", _default(getattr(sec, f.name)),
+            key = f"{section.name}.{f.name}"
+            mode_default = by_mode(key)  # a setting left to the mode: --help's text (run/defaults.py)
+            rows.append((f.metadata.get("flag", ""), key,
+                         f"`{mode_default}`" if mode_default else _default(getattr(sec, f.name)),
                          _md(_field_doc(type(sec), f.name))))
         out[section.name] = rows
     return out

@@ -238,3 +238,19 @@ def test_a_saved_config_leaves_the_modes_settings_to_the_run_that_loads_it(ckpt,
     cfg = _parse(["--config", str(tmp_path / "best.yaml"), "--model", str(ckpt)])
     assert (cfg.train.lr, cfg.train.max_steps, cfg.train.epochs, cfg.budget.max_tokens) == (1e-5, 0, 2, 8192)
     assert cfg.train.output_dir == "runs/Qwen2-VL-2B-Instruct"
+
+
+def test_help_and_the_flags_page_state_each_modes_default():
+    """A setting left to the mode shows its values per mode in --help and on the flags page, never 'None'."""
+    from ray_mmbatch.commands import train
+    from ray_mmbatch.flagdoc import config_rows
+    from ray_mmbatch.run.defaults import by_mode
+
+    assert by_mode("train.lr") == "auto: demo 0.003, full fine-tune 1e-05, LoRA fine-tune 0.0001"
+    assert by_mode("train.epochs") == "auto: demo 1, fine-tune 3"
+    assert by_mode("budget.max_tokens") is None and by_mode("train.seed") is None
+    help_text = " ".join(train.build_parser().format_help().split())
+    assert "(default: auto: demo 0.003, full fine-tune 1e-05, LoRA fine-tune 0.0001)" in help_text
+    assert "(default: None)" not in help_text.split("--max-steps")[1].split("--epochs")[0]
+    rows = {key: default for _, key, default, _ in config_rows()["train"]}
+    assert rows["train.lr"] == f"`{by_mode('train.lr')}`" and rows["train.output_dir"].startswith("`auto: runs/demo")

@@ -102,3 +102,19 @@ def resolve_defaults(cfg: Config) -> Config:
         t.defaults_from["output_dir"] = f"{run_mode} default" + (": named after the checkpoint" if cfg.model.path
                                                                  else "")
     return cfg
+
+
+def by_mode(key: str) -> str | None:
+    """The default of a setting left to the mode ("section.field"), as ``--help`` and the flags page state it
+    ("auto: demo 0.003, full fine-tune 1e-05, LoRA fine-tune 0.0001"); None for every other setting."""
+    section, _, name = key.partition(".")
+    if section != "train":
+        return None
+    if name == "output_dir":
+        return "auto: runs/demo, or runs/<checkpoint folder name> with --model"
+    if name not in DEFAULTS:
+        return None
+    values = {m: default_for(name, m)[0] for m in (DEMO, FULL, LORA)}
+    if values[LORA] == values[FULL]:
+        return f"auto: demo {values[DEMO]!r}, fine-tune {values[FULL]!r}"
+    return "auto: " + ", ".join(f"{m} {v!r}" for m, v in values.items())

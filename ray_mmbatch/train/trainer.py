@@ -120,12 +120,13 @@ def _finish_logs(out: Path) -> tuple[dict[str, int], list[dict], dict[str, tuple
     return counts, lines, skipped
 
 
-def planned_samples(cfg: Config) -> int:
+def planned_samples(cfg: Config, per_epoch: int | None = None) -> int:
     """Rows to be read over the whole run (epochs x samples read per epoch) when it goes by
-    epochs, for the learning-rate schedule; 0 with max_steps (the schedule uses the steps)."""
+    epochs, for the learning-rate schedule; 0 with max_steps (the schedule uses the steps).
+    ``per_epoch``: the run plan's count (run_plan), so a big listing is not counted twice."""
     if cfg.train.max_steps:
         return 0
-    return max(1, cfg.train.epochs) * samples_per_epoch(cfg)
+    return max(1, cfg.train.epochs) * (samples_per_epoch(cfg) if per_epoch is None else per_epoch)
 
 
 def samples_per_epoch(cfg: Config) -> int:
@@ -159,9 +160,10 @@ def _worker_resources(cfg: Config) -> dict[str, float]:
     return res
 
 
-def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None):
+def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None, per_epoch: int | None = None):
     """``build_trainer(...).fit()``, the ranks' records written under OUTPUT_DIR by this process
-    (train/events.py: through Ray, so no shared disk is needed for progress and summary)."""
+    (train/events.py: through Ray, so no shared disk is needed for progress and summary). ``per_epoch``: the
+    samples an epoch reads, when the caller counted them already (planned_samples)."""
     from ray_mmbatch.run.trackers import open_trackers
     from ray_mmbatch.train.events import follow
 
@@ -169,10 +171,11 @@ def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None)
     check_output_locations(cfg)
     out = Path(cfg.train.output_dir).resolve()
     with follow(out, sink=open_trackers(cfg, out, run_name or "")) as channel:  # --report-to: run/trackers.py
-        return build_trainer(cfg, run_name, callbacks, channel=channel).fit()
+        return build_trainer(cfg, run_name, callbacks, channel=channel, per_epoch=per_epoch).fit()
 
 
-def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None, channel=None):
+def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None, channel=None,
+                  per_epoch: int | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -219,8 +222,8 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg), "listing": listing,
-                           "channel": channel},
+        train_loop_config={"cfg": cfg.to_dict(), **ids, "planned_samples": planned_samples(cfg, per_epoch),
+                           "listing": listing, "channel": channel},
         scaling_config=ScalingConfig(num_workers=cfg.train.num_workers, use_gpu=cfg.train.use_gpu,
                                      resources_per_worker=_worker_resources(cfg)),
         run_config=RunConfig(
@@ -296,7 +299,7 @@ def run_training(cfg: Config, plan: dict[str, Any] | None = None) -> dict[str, A
     print(f"[ray_mmbatch] preprocessing: measure {sizes.measure[0]}-{sizes.measure[1]}, materialize "
           f"{sizes.materialize[0]}-{sizes.materialize[1]} actors of {sizes.slots:g} CPU slots "
           f"({'auto' if sizes.auto else '--preprocess-workers'})", flush=True)
-    result = fit(cfg)
+    result = fit(cfg, per_epoch=plan.get("samples_per_epoch"))  # counted once, for the plan and the schedule
     out = Path(cfg.train.output_dir)
     skipped, batch_records, skipped_ids = _finish_logs(out)
     m = result.metrics or {}
