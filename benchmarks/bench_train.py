@@ -87,6 +87,7 @@ from ray_mmbatch.dataflow.stages import plan_rows
 from ray_mmbatch.models.builtin import build_model, layers
 from ray_mmbatch.models.builtin.attention import attend as _ATTEND
 from ray_mmbatch.synthetic.generate import generate_dataset
+from ray_mmbatch.train.peak import reset_peak_rss
 from ray_mmbatch.train.step import batch_to_torch, build_optimizer, optimizer_step
 
 FIXED_BATCH_SIZE = 32
@@ -107,16 +108,6 @@ def _vm(field: str) -> float:
     """A /proc/self/status figure in MiB (VmRSS, VmHWM)."""
     with open("/proc/self/status") as f:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1)) / 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux clear_refs 5) so each strategy gets its own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # ------------------------------------------------------------------ models

@@ -102,9 +102,10 @@ def model_spec(cfg) -> ModelSpec:
         if cfg.model.path:
             from transformers import AutoConfig, AutoModelForImageTextToText
 
+            from ray_mmbatch.formats.fetch import local_checkpoint
             from ray_mmbatch.models.hf_common import HFModel
 
-            hf_cfg = AutoConfig.from_pretrained(cfg.model.path)
+            hf_cfg = AutoConfig.from_pretrained(local_checkpoint(cfg.model.path))  # a bucket's: this node's copy
             model = HFModel(AutoModelForImageTextToText.from_config(hf_cfg), lambda batch: {}, lambda m: [])
             text_cfg = hf_cfg.get_text_config()
             vision_cfg = _get(hf_cfg, "vision_config")

@@ -47,7 +47,9 @@ def malloc_returns_memory() -> None:
         pass
 
 
-def _reset_hwm() -> bool:
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux /proc/self/clear_refs 5), so the next peak is a block's own; False
+    where the kernel does not offer it."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -65,7 +67,7 @@ class RssPeak:
 
         self._proc = psutil.Process()
         self.base = self._proc.memory_info().rss
-        self._exact = _reset_hwm() and _hwm_bytes() is not None
+        self._exact = reset_peak_rss() and _hwm_bytes() is not None
         self._peak, self._stop = self.base, False
         if not self._exact:
             import threading
