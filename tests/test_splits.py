@@ -129,6 +129,21 @@ def test_filter_parse_and_mask():
         filters.mask(table, filters.parse("source >= 4"))
 
 
+def test_filter_and_inside_quotes_or_lists_is_a_value_and_a_mixed_list_is_named():
+    """'and' cuts clauses only outside quotes and brackets; an 'in' list of mixed types, or of the wrong type for
+    its column, is a one-line ValueError naming the filter (was: cut in two, and pyarrow's bare ArrowInvalid)."""
+    clauses = filters.parse("source == 'q and a' and tag in ['x and y', \"ands\"] and n >= 2")
+    assert [(c.column, c.op, c.value) for c in clauses] == [
+        ("source", "==", "q and a"), ("tag", "in", ["x and y", "ands"]), ("n", ">=", 2)]
+    table = pa.table({"source": ["q and a", "q", "q and a"], "tag": ["x and y", "x and y", "ands"], "n": [2, 5, 1]})
+    assert filters.mask(table, clauses).tolist() == [True, False, False]
+    assert [c.value for c in filters.parse("n in [1, 2.5] AND source == \"it's\"")] == [[1, 2.5], "it's"]
+    with pytest.raises(ValueError, match=r"--filter .*'in' mixes number and str values"):
+        filters.parse("source in ['ai2d', 3]")
+    with pytest.raises(ValueError, match=r"--filter: cannot compare column 'n' \(int64\)"):
+        filters.mask(table, filters.parse("n in ['a', 'b']"))
+
+
 def test_filtered_rows_are_counted_not_skipped_and_never_read(tmp_path):
     table = conversations_table(10, [f"r{i}" for i in range(10)]).append_column(
         "relevance_min", pa.array([5, 1, 4, 2, 5, 3, 4, 1, 5, 4])).append_column(

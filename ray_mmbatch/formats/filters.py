@@ -46,12 +46,41 @@ def _literal(text: str, expr: str):
         raise ValueError(f"--filter {expr!r}: {text!r} is not a number, a quoted string, true or false") from None
 
 
+_AND = re.compile(r"\s+and\s+", re.IGNORECASE)
+
+
+def _split_clauses(expr: str) -> list[str]:
+    """``expr`` cut at each ``and`` that stands outside quotes and brackets ("source == 'q and a'" is one clause)."""
+    depth, quote, inside = 0, "", []
+    for ch in expr:  # per character: is it inside a quoted string or a [...] list?
+        inside.append(bool(quote) or depth > 0)
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth = max(0, depth - 1)
+    parts, start = [], 0
+    for m in _AND.finditer(expr):
+        if not inside[m.start()]:
+            parts.append(expr[start:m.start()])
+            start = m.end()
+    return parts + [expr[start:]]
+
+
+def _kind(value) -> str:
+    """A list item's kind for the 'in' check: numbers (int, float) go together, bool and str apart."""
+    return "bool" if isinstance(value, bool) else "number" if isinstance(value, (int, float)) else type(value).__name__
+
+
 def parse(expr: str) -> list[Clause]:
     """The clauses of a filter expression ('' = none); raises ValueError naming what is wrong."""
     if not expr or not expr.strip():
         return []
     out = []
-    for part in re.split(r"\s+and\s+", expr.strip(), flags=re.IGNORECASE):
+    for part in _split_clauses(expr.strip()):
         m = _CLAUSE.match(part)
         if not m:
             raise ValueError(f"--filter {expr!r}: cannot read {part!r}; write COLUMN OP VALUE (OP one of "
@@ -59,6 +88,10 @@ def parse(expr: str) -> list[Clause]:
         column, op, value = m.group(1), m.group(2), _literal(m.group(3), expr)
         if op == "in" and not isinstance(value, (list, tuple, set)):
             raise ValueError(f"--filter {expr!r}: 'in' takes a list, e.g. source in ['ai2d', 'chartqa']")
+        if op == "in" and len({_kind(v) for v in value}) > 1:
+            kinds = " and ".join(sorted({_kind(v) for v in value}))
+            raise ValueError(f"--filter {expr!r}: the list after 'in' mixes {kinds} values; a column holds one "
+                             "type, so write them all as that type")
         out.append(Clause(column, op, value))
     return out
 
@@ -76,13 +109,13 @@ def mask(table: pa.Table, clauses: list[Clause]) -> np.ndarray:
     keep = np.ones(table.num_rows, dtype=bool)
     for c in clauses:
         col = table.column(c.column)
-        if c.op == "in":
-            passed = pc.is_in(col, value_set=pa.array(list(c.value)))
-        else:
-            try:
+        try:
+            if c.op == "in":
+                passed = pc.is_in(col, value_set=pa.array(list(c.value)))
+            else:
                 passed = _OPS[c.op](col, pa.scalar(c.value))
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
-                raise ValueError(f"--filter: cannot compare column {c.column!r} ({col.type}) with "
-                                 f"{c.value!r}: {exc}") from None
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+            raise ValueError(f"--filter: cannot compare column {c.column!r} ({col.type}) with "
+                             f"{c.value!r}: {exc}") from None
         keep &= np.asarray(pc.fill_null(passed, False).to_numpy(zero_copy_only=False), dtype=bool)
     return keep
