@@ -150,3 +150,83 @@ def test_zip_held_images_train_in_process(m4):
     assert {k: v.split(":")[0] for k, v in skipped.items()} == {
         "gone": S.SKIP_MISSING_FILE, "corrupt": S.SKIP_MISSING_FILE, "outside": S.SKIP_PATH_OUTSIDE_ROOT,
         "big": S.SKIP_FILE_TOO_LARGE}
+
+
+def _zips(root: Path, n: int) -> list[str]:
+    """n more archives Z0.zip ... each with one member Zk/p.png; their locations."""
+    out = []
+    for k in range(n):
+        with zipfile.ZipFile(root / f"Z{k}.zip", "w") as zf:
+            zf.writestr(f"Z{k}/p.png", picture("PNG", (k, k, k)))
+        out.append(str(root / f"Z{k}.zip"))
+    return out
+
+
+def test_an_archive_evicted_while_a_thread_reads_it_stays_open_until_that_read_ends(m4):
+    """Reader 1 holds A.zip; others open ZIP_CACHE archives, evicting it: reader 1 still reads its member, and
+    A.zip is closed once it is done (was: closed under the reader, 'I/O operation on closed file')."""
+    root, images = m4
+    entry = archives._acquire(str(root / "A.zip"))
+    for k, location in enumerate(_zips(root, archives.ZIP_CACHE)):
+        assert archives.read_archived(f"Z{k}/p.png", str(root), 0, llava.resolve_image_path)[1] == ""
+    assert str(root / "A.zip") not in archives.cached_archives()
+    assert entry.zf.read("A/x.jpg") == images["A/x.jpg"]  # still open for its borrower
+    archives._release(entry)
+    assert entry.f.closed  # closed by the last borrower, not leaked
+
+
+def test_two_threads_opening_one_archive_keep_one_copy_and_close_the_other(m4, monkeypatch):
+    """Both threads open A.zip before either caches it (a barrier in the real open): one copy is cached and
+    shared, the other file is closed (was: the second overwrote the first in the cache, its file never closed)."""
+    import threading
+
+    from ray_mmbatch.formats import fs
+
+    root, images = m4
+    barrier, opened = threading.Barrier(2), []
+    real_open = fs.open_random_access
+
+    def open_both(location):
+        f = real_open(location)
+        opened.append(f)
+        barrier.wait(5)
+        return f
+
+    monkeypatch.setattr(fs, "open_random_access", open_both)
+    got = [None, None]
+
+    def read(i):
+        got[i] = archives.read_archived("A/x.jpg", str(root), 0, llava.resolve_image_path)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert got == [(images["A/x.jpg"], "")] * 2
+    assert len(opened) == 2 and sum(f.closed for f in opened) == 1  # one closed, one kept in the cache
+    assert archives.cached_archives() == [str(root / "A.zip")]
+
+
+def test_an_error_opening_an_archive_is_retried_but_not_a_zip_is_remembered(m4, monkeypatch):
+    """A transient error opening A.zip (a network blip) skips that sample only; the next read opens it. An
+    archive that is not a zip is remembered (its samples skip without reopening it)."""
+    from ray_mmbatch.formats import fs
+
+    root, images = m4
+    real_open, calls = fs.open_random_access, []
+
+    def flaky(location):
+        calls.append(location)
+        if len(calls) == 1:
+            raise OSError("connection reset by peer")
+        return real_open(location)
+
+    monkeypatch.setattr(fs, "open_random_access", flaky)
+    data, err = archives.read_archived("A/x.jpg", str(root), 0, llava.resolve_image_path)
+    assert data is None and "cannot be opened: connection reset by peer" in err
+    assert archives.cached_archives() == []
+    assert archives.read_archived("A/x.jpg", str(root), 0, llava.resolve_image_path) == (images["A/x.jpg"], "")
+    for _ in range(2):
+        assert "is not a zip file" in archives.read_archived("bad/p.jpg", str(root), 0, llava.resolve_image_path)[1]
+    assert calls.count(str(root / "bad.zip")) == 1

@@ -12,7 +12,10 @@ missing_file "A.zip is not a zip file"; the other samples go on.
 
 Each process keeps its last ZIP_CACHE archives open (LRU; the central directory is read once per
 archive per process, not per sample). Local and URI image roots alike: the archive is opened with
-formats/fs.open_random_access, so on s3:// a member costs a ranged read, not a download.
+formats/fs.open_random_access, so on s3:// a member costs a ranged read, not a download. Threads share
+the cache: a reader borrows an archive for its read, so an eviction meanwhile closes it only when the
+last borrower is done; two threads opening one archive at once keep one copy (the other is closed); "is
+not a zip file" is remembered, an error opening it (a network blip) is not, so the next sample retries.
 
 Gzip'd tars (Cambrian's per-source ``A.tar.gz``, MAmmoTH-VL's ``shard_N.tar.gz``, split ``.part-aa``
 pieces) have no random access: ``tar_hint`` names the archive of a missing image and the command
@@ -39,7 +42,7 @@ TAR_EXTS = (".tar.gz", ".tgz", ".tar")
 PART_SUFFIXES = (".part-aa", ".partaa", ".part_aa", ".aa", ".part-00", ".part00", ".00", ".000", ".001")
 TOP_SCAN_LIMIT = 100_000  # entries at the top of an image root looked at for unextracted tars
 
-_open: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+_open: collections.OrderedDict[str, _Archive] = collections.OrderedDict()
 _lock = threading.Lock()
 
 
@@ -52,46 +55,92 @@ def archive_parts(ref: str) -> tuple[str, list[str]] | None:
     return head, [norm, rest]
 
 
-def _zip(location: str) -> tuple[zipfile.ZipFile | None, str]:
-    """The open archive at ``location`` (cached), or (None, why it cannot be read; cached too)."""
-    with _lock:
-        if location in _open:
-            _open.move_to_end(location)
-            return _open[location][0], _open[location][2]
-    f = zf = None
-    err = ""
+class _Archive:
+    """One archive as the cache holds it: the open ZipFile and its file, or why it cannot be read; ``users``
+    borrowers reading it now; ``evicted``: out of the cache, closed when the last borrower is done."""
+
+    __slots__ = ("zf", "f", "err", "users", "evicted")
+
+    def __init__(self, zf: zipfile.ZipFile | None, f, err: str):
+        self.zf, self.f, self.err, self.users, self.evicted = zf, f, err, 0, False
+
+    def close(self) -> None:
+        if self.zf is not None:
+            self.zf.close()
+            self.f.close()
+
+
+def _open_archive(location: str) -> tuple[_Archive, bool]:
+    """(the archive at ``location``, opened or with the reason it cannot be; whether to remember it: an open one
+    or one that is not a zip, never an error that may pass)."""
+    f = None
     try:
         f = fs.open_random_access(location)
-        zf = zipfile.ZipFile(f)
+        return _Archive(zipfile.ZipFile(f), f, ""), True
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        err = "is not a zip file" if isinstance(exc, zipfile.BadZipFile) else f"cannot be opened: {exc}"
         if f is not None:
             f.close()
-        f = zf = None
+        if isinstance(exc, zipfile.BadZipFile):
+            return _Archive(None, None, "is not a zip file"), True
+        return _Archive(None, None, f"cannot be opened: {exc}"), False
+
+
+def _acquire(location: str) -> _Archive:
+    """The archive at ``location`` from the cache (opened outside the lock when it is not there), borrowed:
+    hand it back with ``_release``."""
     with _lock:
-        _open[location] = (zf, f, err)
-        while len(_open) > ZIP_CACHE:
-            old_zf, old_f, _ = _open.popitem(last=False)[1]
-            if old_zf is not None:
-                old_zf.close()
-                old_f.close()
-    return zf, err
+        entry = _open.get(location)
+        if entry is not None:
+            _open.move_to_end(location)
+            entry.users += 1
+            return entry
+    opened, keep = _open_archive(location)  # slow I/O: not under the lock
+    loser = None
+    with _lock:
+        entry = _open.get(location)
+        if entry is not None:  # another thread opened it meanwhile: theirs stays, ours is closed
+            _open.move_to_end(location)
+            loser, opened = opened, entry
+        elif keep:
+            _open[location] = opened
+            while len(_open) > ZIP_CACHE:
+                old = _open.popitem(last=False)[1]
+                old.evicted = True
+                if old.users == 0:
+                    old.close()
+        opened.users += 1
+    if loser is not None:
+        loser.close()
+    return opened
+
+
+def _release(entry: _Archive) -> None:
+    with _lock:
+        entry.users -= 1
+        done = entry.users == 0 and entry.evicted
+    if done:
+        entry.close()
 
 
 def cached_archives() -> list[str]:
-    """The archives this process holds open (or remembers as unreadable), least recently used first."""
+    """The archives this process holds open (or remembers as not zip files), least recently used first."""
     with _lock:
         return list(_open)
 
 
 def close_all() -> None:
-    """Close every cached archive (tests; a process that is done with the data)."""
+    """Close every cached archive (tests; a process that is done with the data); one being read closes when
+    its reader is done."""
     with _lock:
-        while _open:
-            zf, f, _ = _open.popitem()[1]
-            if zf is not None:
-                zf.close()
-                f.close()
+        entries = list(_open.values())
+        _open.clear()
+        idle = []
+        for entry in entries:
+            entry.evicted = True
+            if entry.users == 0:
+                idle.append(entry)
+    for entry in idle:
+        entry.close()
 
 
 def read_archived(ref: str, image_root: str, max_bytes: int, resolve) -> tuple[bytes | None, str]:
@@ -107,9 +156,18 @@ def read_archived(ref: str, image_root: str, max_bytes: int, resolve) -> tuple[b
         if err.startswith(schema.SKIP_PATH_OUTSIDE_ROOT):  # a link out of the root: never opened
             return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, f"{ref}: archive {stem}.zip is outside the image root")
         return None, tar_hint(ref, image_root)
-    zf, why = _zip(location)
+    entry = _acquire(location)
+    try:
+        return _read_member(entry, ref, stem, members, max_bytes)
+    finally:
+        _release(entry)
+
+
+def _read_member(entry: _Archive, ref: str, stem: str, members: list[str], max_bytes: int) -> tuple[bytes | None, str]:
+    """The first of ``members`` in the borrowed archive: (bytes, "") or (None, read_error)."""
+    zf = entry.zf
     if zf is None:
-        return None, error(schema.SKIP_MISSING_FILE, f"{ref}: {stem}.zip {why}")
+        return None, error(schema.SKIP_MISSING_FILE, f"{ref}: {stem}.zip {entry.err}")
     for name in members:
         try:
             info = zf.getinfo(name)
