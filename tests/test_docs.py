@@ -16,6 +16,8 @@ Directives, HTML comments on the lines right above a fence (docs/contributing.md
 - ``<!-- docs-test: file PATH -->``: the block's text is written to PATH instead (a YAML config).
 - ``<!-- docs-test: replace OLD => NEW -->``: OLD replaced by NEW before running (``s3://bucket/x`` => a folder).
 - ``<!-- docs-test: exit N -->``: the block's last command must exit with N (a documented refusal).
+- ``<!-- docs-test: prints -->``: the output shown in the next (text) block is checked: each of its lines, cut at
+  its first ``...``, must begin a line the block's commands print (figures that are exact on any machine).
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ class Block:
     file: str | None = None
     exit: int = 0
     replace: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    prints: bool = False
+    expected: str = ""  # with ``prints``: the next block's text, the output the page shows
 
     @property
     def runs(self) -> bool:
@@ -100,6 +104,8 @@ def parse_blocks(text: str, page: str) -> list[Block]:
                 block.file = arg
             elif name == "exit":
                 block.exit = int(arg)
+            elif name == "prints":
+                block.prints = True
             elif name == "replace":
                 old, sep, new = arg.partition(" => ")
                 if not sep:
@@ -112,7 +118,23 @@ def parse_blocks(text: str, page: str) -> list[Block]:
         i += 1
     if pending:
         raise ValueError(f"{page}:{pending[0][2]}: a docs-test directive with no fence after it")
+    for block, shown in zip(blocks, blocks[1:] + [None]):
+        if block.prints:
+            if shown is None or shown.lang not in ("text", ""):
+                raise ValueError(f"{page}:{block.line}: 'prints' needs a text block after its block")
+            block.expected = shown.text
     return blocks
+
+
+def missing_lines(output: str, expected: str) -> list[str]:
+    """The lines of ``expected`` (each cut at its first '...') whose words begin no line of ``output``."""
+    printed = [line.split() for line in output.splitlines()]
+    missing = []
+    for line in expected.splitlines():
+        words = line.split("...")[0].split()
+        if words and not any(p[:len(words)] == words for p in printed):
+            missing.append(line)
+    return missing
 
 
 # --- the working folder: the data and checkpoints the docs name ---------------------------------------------
@@ -252,7 +274,7 @@ def _exit_code(call) -> int:
 
 
 def run_shell_block(block: Block, text: str, cwd: Path, env: dict[str, str]) -> int:
-    rc = 0
+    rc, printed = 0, []
     for line in _commands(text):
         words = shlex.split(line, comments=True)
         while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):  # FOO=bar cmd
@@ -277,9 +299,12 @@ def run_shell_block(block: Block, text: str, cwd: Path, env: dict[str, str]) -> 
             proc = subprocess.run(["bash", "-c", line], cwd=cwd, env={**os.environ, **env, "PATH": path},
                                   capture_output=True, text=True, timeout=600)
             rc = proc.returncode
+            printed.append(proc.stdout)
             print(proc.stdout[-4000:], proc.stderr[-4000:])
         if rc != 0 and block.exit == 0:
             raise AssertionError(f"{block.page}:{block.line}: `{line.strip()}` exited {rc}")
+    missing = missing_lines("".join(printed), block.expected) if block.prints else []
+    assert not missing, f"{block.page}:{block.line}: the page shows lines the command did not print: {missing}"
     return rc
 
 
@@ -584,3 +609,34 @@ def test_readme_shows_the_three_ways_and_the_gpu_note():
     for section in sections:
         if "--use-gpu" in section:
             assert note in section, section.splitlines()[0]
+
+
+def test_prints_checks_the_shown_output_line_by_line():
+    """The 'prints' directive: a shown line (cut at '...') must begin a printed line, words compared."""
+    blocks = parse_blocks("<!-- docs-test: prints -->\n```bash\necho hi\n```\n\n```text\nfill  99.84%  ...\n```\n",
+                          "t.md")
+    assert blocks[0].prints and blocks[0].expected == "fill  99.84%  ...\n"
+    assert missing_lines("x\nfill 99.84%   3189  12345\n", blocks[0].expected) == []
+    assert missing_lines("fill 99.83%   3189\n", blocks[0].expected) == ["fill  99.84%  ..."]
+    with pytest.raises(ValueError, match="needs a text block"):
+        parse_blocks("<!-- docs-test: prints -->\n```bash\necho hi\n```\n", "t.md")
+
+
+def test_readme_fill_figures_are_the_ones_the_benchmark_page_checks():
+    """The README's fill table equals the benchmark page's output excerpt, which the 'prints' directive checks
+    against bench_packing.py's output in every test run: a changed planner changes all three or fails."""
+    page = parse_blocks((DOCS / "benchmarks.md").read_text(), "benchmarks.md")
+    run = next(b for b in page if b.prints and "bench_packing.py" in b.text)
+    fills = {line.split("  ")[0].strip(): line.split()[len(line.split("  ")[0].split())]
+             for line in run.expected.splitlines() if line.startswith("(")}
+    readme = (ROOT / "README.md").read_text()
+    rows = {"(a) batch_size=32 pad-to-longest": "`batch_size=32`, padded to the longest | ",
+            "(b) pad/truncate to 512, 4 per batch": "pad / truncate to 512, 4 per batch | ",
+            "(c) pack greedy arrival order (whole set)": "greedy token budget, arrival order | ",
+            "(e) pack pack_best_fit_decreasing + carry w=2048": "**ray_mmbatch, pack mode** (window 2048 + carry) | ",
+            "(e) pad pad_sorted_buckets + carry w=2048": "**ray_mmbatch, pad mode** (window 2048 + carry) | "}
+    for strategy, row in rows.items():
+        shown = re.search(re.escape(row) + r"\**([\d.]+) %", readme)
+        assert shown, row
+        decimals = len(shown.group(1).partition(".")[2])
+        assert f"{float(fills[strategy].rstrip('%')):.{decimals}f}" == shown.group(1), (strategy, fills[strategy])
