@@ -138,6 +138,32 @@ def test_configure_reads_the_video_processor(family):
     assert family.cfg.text.video_token == "<|video_pad|>"
 
 
+@pytest.mark.parametrize("kind", ["qwen2_vl", "llava_onevision"])
+def test_a_video_processor_whose_pixel_steps_differ_is_refused_as_an_image_processor_is(kind, tmp_path):
+    """The video processor's resample / rescale / RGB steps are checked as the image processor's are (the data
+    path resizes frames bicubic, rescales by 1/255): refused, naming the file; do_normalize off = mean 0, std 1."""
+    from ray_mmbatch.models import llava_onevision as ov
+    from tests.hf_llava_onevision_checkpoint import make_llava_onevision_checkpoint
+
+    if kind == "qwen2_vl":
+        backend, path, base = qwen_vl, make_qwen_checkpoint(tmp_path / kind, kind), dict(VIDEO_PROCESSOR[kind])
+    else:
+        backend, path, base = ov, make_llava_onevision_checkpoint(tmp_path / "ov"), dict(ONEVISION_VIDEO)
+    for bad, message in (({"resample": 2}, r"resample=2; only bicubic"),
+                         ({"rescale_factor": 1 / 127.5}, r"rescaled by 1/255"),
+                         ({"do_convert_rgb": False}, r"do_convert_rgb=false")):
+        (path / "video_preprocessor_config.json").write_text(json.dumps({**base, **bad}))
+        cfg = Config()
+        cfg.model.path = str(path)
+        with pytest.raises(ValueError, match=r"video_preprocessor_config.json: .*" + message):
+            backend.configure(cfg)
+    (path / "video_preprocessor_config.json").write_text(json.dumps({**base, "do_normalize": False}))
+    cfg = Config()
+    cfg.model.path = str(path)
+    im = backend.configure(cfg).image
+    assert (im.video_mean, im.video_std) == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+
+
 def test_header_cost_equals_the_hf_video_processor(clips, family, reference):
     """Frame indices, video_grid_thw, tokens and second_per_grid_ts from the header alone == HF's processor,
     for every codec / container / rate / rotation / shape; then our decoded pixels == HF's pixel_values_videos."""

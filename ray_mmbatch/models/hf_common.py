@@ -157,6 +157,38 @@ def pixel_settings(pre: dict[str, Any], where: str, family: str, *, resample: in
     return out
 
 
+def video_processor_settings(path: str) -> tuple[dict, str]:
+    """The video processor's settings as HF loads them, and the file they came from: processor_config.json's
+    "video_processor", else video_preprocessor_config.json, else preprocessor_config.json (HF's fallback)."""
+    root = Path(path)
+    nested = read_json(root / "processor_config.json").get("video_processor")
+    if isinstance(nested, dict) and nested:
+        return nested, "processor_config.json video_processor"
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        found = read_json(root / name)
+        if found:
+            return found, name
+    return {}, "the video processor class's defaults"
+
+
+def adopt_video_settings(cfg, video: dict[str, Any], where: str, family: str, defaults: dict[str, Any]) -> None:
+    """What every video family takes from its checkpoint's video processor ``video`` (read from ``where``; keys it
+    leaves out: the class's ``defaults``, which name do_sample_frames, fps, num_frames, image_mean, image_std):
+    its pixel steps checked as an image processor's are (``pixel_settings``: bicubic, 1/255, convert to RGB;
+    do_normalize off = mean 0, std 1), then image.video_sample_frames, video_fps (the user's value wins),
+    video_num_frames, video_mean and video_std."""
+    get = {k: video.get(k, d) for k, d in defaults.items()}
+    pixels = pixel_settings(video, where, family, resample=3, mean=defaults["image_mean"], std=defaults["image_std"],
+                            always=("do_resize", "do_convert_rgb")) if video else \
+        {k: tuple(float(v) for v in defaults[k]) for k in ("image_mean", "image_std")}
+    adopt_setting(cfg, "image.video_sample_frames", bool(get["do_sample_frames"]), f"{where} do_sample_frames")
+    adopt_setting(cfg, "image.video_fps", None if get["fps"] is None else float(get["fps"]), f"{where} fps",
+                  user_may_override=True)
+    adopt_setting(cfg, "image.video_num_frames", get["num_frames"], f"{where} num_frames")
+    adopt_setting(cfg, "image.video_mean", pixels["image_mean"], f"{where} image_mean")
+    adopt_setting(cfg, "image.video_std", pixels["image_std"], f"{where} image_std")
+
+
 def checked_token(tok, token_id: int, path: str, field: str = "image_token_id") -> str:
     """The token of config.json's ``field`` = ``token_id`` in the tokenizer ``tok``; it must map back to the id."""
     token = tok.convert_ids_to_tokens(int(token_id))

@@ -141,8 +141,13 @@ def configure(cfg):
 def _configure_video(cfg, path: str, side: int) -> None:
     """image.video* from the checkpoint's video processor (HF LlavaOnevisionVideoProcessor: every frame squashed
     to the tower's square, bicubic; all frames unless it samples; CLIP mean / std by default)."""
-    from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, adopt_setting
-    from ray_mmbatch.models.qwen_vl import video_processor_settings
+    from ray_mmbatch.models.hf_common import (
+        CLIP_MEAN,
+        CLIP_STD,
+        adopt_setting,
+        adopt_video_settings,
+        video_processor_settings,
+    )
 
     video, where = video_processor_settings(path)
     where = f"{path} {where}"
@@ -153,15 +158,9 @@ def _configure_video(cfg, path: str, side: int) -> None:
     if video.get("do_center_crop"):
         raise ValueError(f"{where}: do_center_crop must be off (frames are resized whole)")
     adopt_setting(cfg, "image.video", "llava_onevision", f"{path} (HF LlavaOnevisionVideoProcessor)")
-    adopt_setting(cfg, "image.video_sample_frames", bool(video.get("do_sample_frames", False)),
-                  f"{where} do_sample_frames")
-    fps = video.get("fps")
-    adopt_setting(cfg, "image.video_fps", None if fps is None else float(fps), f"{where} fps", user_may_override=True)
-    adopt_setting(cfg, "image.video_num_frames", video.get("num_frames"), f"{where} num_frames")
-    adopt_setting(cfg, "image.video_mean", tuple(float(v) for v in video.get("image_mean", CLIP_MEAN)),
-                  f"{where} image_mean")
-    adopt_setting(cfg, "image.video_std", tuple(float(v) for v in video.get("image_std", CLIP_STD)),
-                  f"{where} image_std")
+    adopt_video_settings(cfg, video, where, "llava_onevision", {"do_sample_frames": False, "fps": None,
+                                                                "num_frames": None, "image_mean": CLIP_MEAN,
+                                                                "image_std": CLIP_STD})
 
 
 # ------------------------------------------------------------------ model

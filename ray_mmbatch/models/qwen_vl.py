@@ -98,25 +98,9 @@ VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
 
 
-def video_processor_settings(path: str) -> tuple[dict, str]:
-    """The video processor's settings as HF loads them, and the file they came from: processor_config.json's
-    "video_processor", else video_preprocessor_config.json, else preprocessor_config.json (HF's fallback)."""
-    from ray_mmbatch.models.hf_common import read_json
-
-    root = Path(path)
-    nested = read_json(root / "processor_config.json").get("video_processor")
-    if isinstance(nested, dict) and nested:
-        return nested, "processor_config.json video_processor"
-    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        found = read_json(root / name)
-        if found:
-            return found, name
-    return {}, "HF's Qwen2VLVideoProcessor defaults"
-
-
 def _configure_video(cfg, path: str, model_type: str) -> None:
     """image.video* and text.video_token from the checkpoint's video processor (Qwen2-VL / Qwen2.5-VL)."""
-    from ray_mmbatch.models.hf_common import adopt_setting
+    from ray_mmbatch.models.hf_common import adopt_setting, adopt_video_settings, video_processor_settings
 
     if model_type not in VIDEO_MODEL_TYPES:
         return
@@ -128,10 +112,7 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
     hi = video.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or get["longest_edge"]
     sampler = "qwen3_vl" if model_type == "qwen3_vl" else "qwen2_vl"
     adopt_setting(cfg, "image.video", sampler, f"{path} ({model_type}: HF {_PROCESSOR_CLASS[sampler]})")
-    adopt_setting(cfg, "image.video_sample_frames", bool(get["do_sample_frames"]), f"{where} do_sample_frames")
-    adopt_setting(cfg, "image.video_fps", None if get["fps"] is None else float(get["fps"]), f"{where} fps",
-                  user_may_override=True)
-    adopt_setting(cfg, "image.video_num_frames", get["num_frames"], f"{where} num_frames")
+    adopt_video_settings(cfg, video, where, model_type, _VIDEO_DEFAULTS[model_type])
     adopt_setting(cfg, "image.video_min_frames", int(get["min_frames"]), f"{where} min_frames")
     adopt_setting(cfg, "image.video_max_frames", int(get["max_frames"]), f"{where} max_frames")
     adopt_setting(cfg, "image.video_min_pixels", int(lo), f"{where} size shortest_edge", user_may_override=True)
@@ -139,9 +120,6 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
     adopt_setting(cfg, "image.video_cap_pixels_per_frame", bool(get["cap_pixels_per_frame"]),
                   f"{where} cap_pixels_per_frame")
     adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens")
-    for key in ("image_mean", "image_std"):
-        value = get[key]
-        adopt_setting(cfg, f"image.video_{key.split('_')[1]}", tuple(float(v) for v in value), f"{where} {key}")
     for key in ("patch_size", "merge_size", "temporal_patch_size"):
         if video.get(key) is not None and int(video[key]) != getattr(cfg.image, key):
             raise ValueError(f"{where}: the video processor's {key}={video[key]} disagrees with config.json "
