@@ -10,8 +10,9 @@ SPEC: {"checkpoint": dir, "clips": {name: path}}. For every clip, what HF does w
   rotation PyAV reports on the decoded frame (HF's loader leaves them coded; the project shows them
   as displayed, docs/data.md says so);
 * the processor: ``AutoVideoProcessor.from_pretrained(checkpoint)`` on those frames with
-  ``do_sample_frames=False``: ``pixel_values_videos``, ``video_grid_thw``; Qwen2.5-VL's
-  ``second_per_grid_ts`` = temporal_patch_size / the sampled fps, as its processor computes it.
+  ``do_sample_frames=False``: ``pixel_values_videos``, ``video_grid_thw``; for Qwen2VLVideoProcessor, the
+  ``second_per_grid_ts`` that Qwen2_5_VLProcessor._process_videos (HF's own code, on the clip's
+  VideoMetadata with the sampled indices) gives it.
 
 Containers that store no frame count (webm / mkv: PyAV reads 0, and HF's loader then samples nothing)
 get the decoded frame count as ``total_num_frames``; the project counts their packets.
@@ -33,7 +34,7 @@ from transformers import AutoVideoProcessor
 from transformers.video_utils import VideoMetadata
 
 
-def _frames(path: str, processor) -> tuple[np.ndarray, np.ndarray, float]:
+def _frames(path: str, processor) -> tuple[np.ndarray, np.ndarray, VideoMetadata, bool]:
     with av.open(path) as c:
         s = c.streams.video[0]
         total, fps = int(s.frames), float(s.average_rate)
@@ -61,8 +62,19 @@ def _frames(path: str, processor) -> tuple[np.ndarray, np.ndarray, float]:
     video = np.stack(frames)
     if rotation % 360:
         video = np.rot90(video, k=(rotation // 90) % 4, axes=(1, 2))
-    sampled_fps = len(indices) / total * fps
-    return np.ascontiguousarray(video), indices, sampled_fps, fell_back
+    meta.frames_indices = [int(i) for i in indices]
+    return np.ascontiguousarray(video), indices, meta, fell_back
+
+
+def _second_per_grid(processor, video: np.ndarray, meta: VideoMetadata, **kwargs) -> np.ndarray:
+    """second_per_grid_ts as Qwen2_5_VLProcessor._process_videos computes it (HF's code, run on this processor)."""
+    from transformers.models.qwen2_5_vl.processing_qwen2_5_vl import Qwen2_5_VLProcessor
+
+    proc = object.__new__(Qwen2_5_VLProcessor)  # only its video step runs: no tokenizer needed
+    proc.video_processor = processor
+    got, _ = proc._process_videos([video], video_metadata=[meta], do_sample_frames=False, return_tensors="np",
+                                  return_metadata=True, **kwargs)
+    return np.asarray(got["second_per_grid_ts"], dtype=np.float64)
 
 
 def _qwen3_text(processor, grid, indices, fps: float) -> str:
@@ -83,16 +95,16 @@ def main(spec_path: str, out_path: str) -> None:
     out = {}
     for name, path in spec["clips"].items():
         try:
-            video, indices, sampled_fps, fell_back = _frames(path, processor)
+            video, indices, meta, fell_back = _frames(path, processor)
         except ValueError as e:  # HF's default sampler refuses a clip shorter than the frames it asks for
             out[f"{name}/hf_failed"] = np.array(f"refused: {e}")
             continue
         out[f"{name}/indices"] = indices
         out[f"{name}/hf_failed"] = np.array("sampler" if fell_back else "")
+        cap = ({"cap_pixels_per_frame": bool(spec.get("cap_pixels_per_frame", False))}
+               if hasattr(processor, "cap_pixels_per_frame") else {})
         try:
-            got = processor(videos=[video], do_sample_frames=False, return_tensors="np",
-                            **({"cap_pixels_per_frame": bool(spec.get("cap_pixels_per_frame", False))}
-                               if hasattr(processor, "cap_pixels_per_frame") else {}))
+            got = processor(videos=[video], do_sample_frames=False, return_tensors="np", **cap)
         except ValueError as e:  # Qwen3-VL's resize refuses fewer frames than temporal_patch_size
             out[f"{name}/hf_failed"] = np.array(f"processor: {e}")
             continue
@@ -108,7 +120,8 @@ def main(spec_path: str, out_path: str) -> None:
             out[f"{name}/tokens"] = np.array(text.count("<video>"))
             pixels = pixels.reshape(pixels.shape[1], -1)
         out[f"{name}/pixels"] = pixels
-        out[f"{name}/second_per_grid"] = np.array([getattr(processor, "temporal_patch_size", 1) / sampled_fps])
+        if type(processor).__name__ == "Qwen2VLVideoProcessor":  # Qwen2-VL / 2.5-VL (Qwen3-VL writes timestamps)
+            out[f"{name}/second_per_grid"] = _second_per_grid(processor, video, meta, **cap)
         if qwen3:
             with av.open(path) as c:
                 fps = float(c.streams.video[0].average_rate)
