@@ -94,18 +94,23 @@ class ImageConfig:
     in the text). A ``--model`` checkpoint of a family that trains on video ({video_families}) sets it, and the
     video_* settings below, from its video_preprocessor_config.json (else preprocessor_config.json, as HF falls
     back). '' = the family takes no video: a video sample stops the run at start, naming the family."""
-    video_sample_frames: bool = False
-    """HF ``do_sample_frames``: sample frames by video_fps / video_num_frames; False = every frame of the clip
-    (Qwen2-VL's processor default)."""
+    video_sample_frames: bool | None = flag("--video-sample-frames", None)
+    """HF ``do_sample_frames``: sample frames by video_fps / video_num_frames; false = every frame of the clip
+    (Qwen2-VL's processor class default). None = the checkpoint's video processor; a Qwen2-VL / Qwen2.5-VL
+    checkpoint that ships no video settings (the published ones) samples as qwen-vl-utils does: 2 fps, 4..768
+    frames, 128..768 x 28 x 28 pixels a frame, the per-frame cap on. --video-fps turns sampling on."""
     video_fps: float | None = flag("--video-fps", None)
     """Frames sampled per second of video (HF ``fps``), within video_min_frames..video_max_frames; used when
-    video_sample_frames is on and video_num_frames is unset."""
+    video_sample_frames is on and video_num_frames is unset. Setting it turns frame sampling on; the user's
+    value wins over the checkpoint's."""
     video_num_frames: int | None = None
     """A fixed number of frames sampled from every clip (HF ``num_frames``; rounded to temporal_patch_size)."""
-    video_min_frames: int = 4
-    """Fewest frames fps sampling takes from a clip (HF ``min_frames``)."""
-    video_max_frames: int = 768
-    """Most frames fps sampling takes from a clip (HF ``max_frames``)."""
+    video_min_frames: int = flag("--video-min-frames", 4)
+    """Fewest frames fps sampling takes from a clip (HF ``min_frames``); the user's value wins over the
+    checkpoint's."""
+    video_max_frames: int = flag("--video-max-frames", 768)
+    """Most frames fps sampling takes from a clip (HF ``max_frames``); the user's value wins over the
+    checkpoint's."""
     video_min_pixels: int = 128 * 28 * 28
     """Smart resize lower bound on a frame's area (HF video processor ``size['shortest_edge']``); on the whole
     clip's pixels (frames x area) for video='qwen3_vl', as its processor does."""
@@ -115,8 +120,9 @@ class ImageConfig:
     video_cap_pixels_per_frame: bool = False
     """HF ``cap_pixels_per_frame`` (qwen-vl-utils' rule): each frame is also limited to an even share of
     video_max_tokens tokens' worth of pixels (90 %), floored at 1.05 x video_min_pixels."""
-    video_max_tokens: int = 128000
-    """HF ``max_video_tokens``: the token budget cap_pixels_per_frame shares among a clip's frames."""
+    video_max_tokens: int = flag("--video-max-tokens", 128000)
+    """HF ``max_video_tokens`` (qwen-vl-utils' total pixel cap, in tokens): the budget cap_pixels_per_frame shares
+    among a clip's frames; the user's value wins over the checkpoint's."""
     video_mean: tuple[float, ...] = ()
     """Per-channel mean for video pixels (the video processor's ``image_mean``); () = image_mean."""
     video_std: tuple[float, ...] = ()
@@ -496,8 +502,10 @@ def _coerce(value: Any, current: Any, name: str, annotation: str = "") -> Any:
         kind = _ITEM_TYPES.get(item) or (type(current[0]) if current else str)
         return tuple(kind(v) for v in value)
     if value is None or current is None:
-        if isinstance(value, str) and value.lower() in ("none", "null", ""):
+        if isinstance(value, str) and value.lower() in ("none", "null", "", "auto"):
             return None
+        if annotation.startswith("bool") and value is not None:  # bool | None: 'false' is False, not a string
+            return _coerce(value, False, name)
         if isinstance(value, str):  # every None-default field is numeric: "3" -> 3, "0.05" -> 0.05
             try:
                 return int(value)

@@ -167,7 +167,7 @@ def test_an_archive_evicted_while_a_thread_reads_it_stays_open_until_that_read_e
     A.zip is closed once it is done (was: closed under the reader, 'I/O operation on closed file')."""
     root, images = m4
     entry = archives._acquire(str(root / "A.zip"))
-    for k, location in enumerate(_zips(root, archives.ZIP_CACHE)):
+    for k, _ in enumerate(_zips(root, archives.ZIP_CACHE)):
         assert archives.read_archived(f"Z{k}/p.png", str(root), 0, llava.resolve_image_path)[1] == ""
     assert str(root / "A.zip") not in archives.cached_archives()
     assert entry.zf.read("A/x.jpg") == images["A/x.jpg"]  # still open for its borrower

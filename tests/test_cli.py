@@ -74,10 +74,14 @@ def test_every_config_flag_comes_from_its_field_and_maps_back():
         assert flag_for(key) == flag
         section, name = key.split(".")
         default = getattr(getattr(Config(), section), name)
-        want = (not default) if isinstance(default, bool) else "x7" if isinstance(default, str) else 7
+        kind = str(next(f.type for f in dataclasses.fields(getattr(Config(), section)) if f.name == name))
+        want = (not default) if isinstance(default, bool) else True if kind.startswith("bool") else \
+            "x7" if isinstance(default, str) else 7  # bool | None: a tri-state switch (None = the checkpoint's)
         assert want != default
         assert getattr(getattr(_parse([flag, str(want)]), section), name) == want, flag
     assert flag_for("model.mlp_ratio") == "--set model.mlp_ratio"   # a field without a flag
+    assert _parse(["--video-sample-frames", "false"]).image.video_sample_frames is False  # not the string 'false'
+    assert _parse(["--video-sample-frames", "auto"]).image.video_sample_frames is None
 
 
 def test_train_help_lists_the_documented_options():

@@ -128,6 +128,81 @@ def reference(clips, family, tmp_path_factory):
     return dict(np.load(out))
 
 
+def _run_reference(checkpoint: Path, clip_paths: dict, out_dir: Path, **spec) -> dict:
+    """tests/video_reference.py on ``clip_paths`` with ``checkpoint``'s video processor: HF's indices, grid, pixels."""
+    python = _reference_python()
+    (out_dir / "spec.json").write_text(json.dumps({"checkpoint": str(checkpoint), **spec,
+                                                   "clips": {k: str(v) for k, v in clip_paths.items()}}))
+    done = subprocess.run([python, str(ROOT / "tests" / "video_reference.py"), str(out_dir / "spec.json"),
+                           str(out_dir / "out.npz")], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(np.load(out_dir / "out.npz"))
+
+
+# Published Qwen2-VL / Qwen2.5-VL checkpoints ship this one processor file and no video settings
+PUBLISHED_QWEN25_PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 3136,
+                                 "max_pixels": 12845056, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+                                 "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                                 "image_std": [0.26862954, 0.26130258, 0.27577711], "do_convert_rgb": True,
+                                 "do_normalize": True, "do_rescale": True, "do_resize": True, "resample": 3,
+                                 "rescale_factor": 0.00392156862745098}
+
+
+def test_a_published_qwen_checkpoint_samples_video_as_qwen_vl_utils_exactly_as_hf_with_those_settings(clips, tmp_path):
+    """A Qwen2.5-VL checkpoint as published (one preprocessor_config.json, no video settings) samples as the
+    Qwen team's qwen-vl-utils does (2 fps, 4..768 frames, 128..768 x 28 x 28 pixels a frame, the per-frame cap),
+    not HF's class default (every frame at up to 12.8 MP: 11,520 tokens for a 4 s 30 fps 448 x 336 clip); and its
+    frames, grid, tokens and pixels equal HF's Qwen2VLVideoProcessor called with those settings."""
+    ckpt = make_qwen_checkpoint(tmp_path / "published", "qwen2_5_vl")
+    (ckpt / "preprocessor_config.json").write_text(json.dumps(PUBLISHED_QWEN25_PREPROCESSOR))
+    cfg = Config()
+    cfg.model.path = str(ckpt)
+    im = qwen_vl.configure(cfg).image
+    assert (im.video, im.video_sample_frames, im.video_fps, im.video_min_frames, im.video_max_frames) == \
+        ("qwen2_vl", True, 2.0, 4, 768)
+    assert (im.video_min_pixels, im.video_max_pixels, im.video_cap_pixels_per_frame, im.video_max_tokens) == \
+        (128 * 28 * 28, 768 * 28 * 28, True, 128000)
+    assert (im.min_pixels, im.max_pixels) == (3136, 12845056)  # the images keep the image processor's bounds
+    # HF's processor told the same settings explicitly (a checkpoint copy with them as its video processor)
+    explicit = make_qwen_checkpoint(tmp_path / "explicit", "qwen2_5_vl")
+    (explicit / "preprocessor_config.json").write_text(json.dumps(PUBLISHED_QWEN25_PREPROCESSOR))
+    (explicit / "video_preprocessor_config.json").write_text(json.dumps({
+        "video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": True, "fps": 2.0, "min_frames": 4,
+        "max_frames": 768, "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28},
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": PUBLISHED_QWEN25_PREPROCESSOR["image_mean"],
+        "image_std": PUBLISHED_QWEN25_PREPROCESSOR["image_std"]}))
+    four_s = tmp_path / "four_s.mp4"
+    four_s.write_bytes(encode_clip(clip_frames(120, 336, 448, 11), fps=30))
+    paths = {"four_s": four_s, **{k: clips.paths[k] for k in ("h264_bframes", "mpeg4_25fps", "vp9_webm", "rotated")}}
+    (tmp_path / "ref").mkdir()
+    reference = _run_reference(explicit, paths, tmp_path / "ref", cap_pixels_per_frame=True)
+    for name, path in paths.items():
+        data = path.read_bytes()
+        plan = plan_video(data, im)
+        assert plan.indices.tolist() == reference[f"{name}/indices"].tolist(), name
+        assert [list(plan.grid)] == reference[f"{name}/grid"].tolist(), name
+        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(data, plan, im), im)),
+                                       im.video_mean, im.video_std).numpy()
+        assert np.array_equal(ours, reference[f"{name}/pixels"]), name
+    four = plan_video(four_s.read_bytes(), im)
+    assert (len(four.indices), four.tokens) == (8, 768)  # the issue's figure: 8 frames, 768 tokens
+    # --video-sample-frames false: HF's take-every-frame class default, on request
+    cfg = Config()
+    cfg.model.path = str(ckpt)
+    cfg.image.video_sample_frames = False
+    every = qwen_vl.configure(cfg).image
+    assert len(plan_video(four_s.read_bytes(), every).indices) == 120
+    # --video-fps alone turns sampling on at that rate, on a checkpoint that does not sample (HF's class default)
+    cfg = Config()
+    cfg.model.path = str(explicit)
+    (explicit / "video_preprocessor_config.json").write_text(json.dumps({"do_sample_frames": False}))
+    cfg.image.video_fps, cfg.image.video_max_frames = 4.0, 12
+    fps4 = qwen_vl.configure(cfg).image
+    assert (fps4.video_sample_frames, fps4.video_fps, fps4.video_max_frames) == (True, 4.0, 12)
+    assert len(plan_video(four_s.read_bytes(), fps4).indices) == 12  # 16 at 4 fps, capped at 12
+
+
 # ------------------------------------------------------------------ header cost and pixels == HF
 def test_configure_reads_the_video_processor(family):
     im, want = family.cfg.image, VIDEO_PROCESSOR[family.name]

@@ -178,13 +178,16 @@ def adopt_video_settings(cfg, video: dict[str, Any], where: str, family: str, de
     do_normalize off = mean 0, std 1), then image.video_sample_frames, video_fps (the user's value wins),
     video_num_frames, video_mean and video_std."""
     get = {k: video.get(k, d) for k, d in defaults.items()}
+    if cfg.image.video_fps is not None or cfg.image.video_num_frames is not None:
+        get["do_sample_frames"] = True  # the user's --video-fps samples at that rate (HF needs do_sample_frames)
     pixels = pixel_settings(video, where, family, resample=3, mean=defaults["image_mean"], std=defaults["image_std"],
                             always=("do_resize", "do_convert_rgb")) if video else \
         {k: tuple(float(v) for v in defaults[k]) for k in ("image_mean", "image_std")}
-    adopt_setting(cfg, "image.video_sample_frames", bool(get["do_sample_frames"]), f"{where} do_sample_frames")
+    adopt_setting(cfg, "image.video_sample_frames", bool(get["do_sample_frames"]), f"{where} do_sample_frames",
+                  user_may_override=True)  # false: every frame (HF's Qwen2-VL class default), the user's choice
     adopt_setting(cfg, "image.video_fps", None if get["fps"] is None else float(get["fps"]), f"{where} fps",
                   user_may_override=True)
-    adopt_setting(cfg, "image.video_num_frames", get["num_frames"], f"{where} num_frames")
+    adopt_setting(cfg, "image.video_num_frames", get["num_frames"], f"{where} num_frames", user_may_override=True)
     adopt_setting(cfg, "image.video_mean", pixels["image_mean"], f"{where} image_mean")
     adopt_setting(cfg, "image.video_std", pixels["image_std"], f"{where} image_std")
 

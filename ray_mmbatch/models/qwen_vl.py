@@ -94,8 +94,25 @@ _VIDEO_DEFAULTS = {"qwen2_vl": _QWEN2_VIDEO, "qwen2_5_vl": _QWEN2_VIDEO,
                    "qwen3_vl": dict(_QWEN2_VIDEO, do_sample_frames=True, fps=2, shortest_edge=128 * 32 * 32,
                                     longest_edge=32 * 32 * 768, max_video_tokens=768, image_mean=(0.5, 0.5, 0.5),
                                     image_std=(0.5, 0.5, 0.5))}
+# How the Qwen team's own loader samples video (qwen-vl-utils vision_process.py: FPS 2.0, FPS_MIN_FRAMES 4,
+# FPS_MAX_FRAMES 768, VIDEO_MIN_PIXELS 128 x 28 x 28, VIDEO_MAX_PIXELS 768 x 28 x 28, and the per-frame share of
+# VIDEO_TOTAL_PIXELS = 128000 x 28 x 28 x 0.9, which is HF's cap_pixels_per_frame with max_video_tokens 128000).
+# A Qwen2-VL / Qwen2.5-VL checkpoint as published ships no video settings (one preprocessor_config.json): HF's
+# class defaults would take every frame at the image bounds (up to 12.8 MP a frame); users sample as this does
+# (LLaMA-Factory's video_fps / video_maxlen / video_max_pixels and ms-swift's FPS / FPS_MAX_FRAMES too).
+QWEN_VL_UTILS_VIDEO = dict(_QWEN2_VIDEO, do_sample_frames=True, fps=2.0, cap_pixels_per_frame=True)
 VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
+
+
+_VIDEO_KEYS = ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames", "video_processor_type")
+_IMAGE_BOUNDS = ("min_pixels", "max_pixels", "size")
+
+
+def _has_video_settings(video: dict) -> bool:
+    """Whether the checkpoint's video settings are a video processor's (a key only a video processor has), not
+    the image processor's preprocessor_config.json that HF falls back to."""
+    return any(k in video for k in _VIDEO_KEYS)
 
 
 def _configure_video(cfg, path: str, model_type: str) -> None:
@@ -106,20 +123,26 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
         return
     video, where = video_processor_settings(path)
     where = f"{path} {where}"
+    defaults = _VIDEO_DEFAULTS[model_type]
+    if model_type != "qwen3_vl" and not _has_video_settings(video):  # as published: qwen-vl-utils' sampling
+        defaults, where = QWEN_VL_UTILS_VIDEO, f"qwen-vl-utils' video defaults ({path} ships no video settings)"
+        video = {k: v for k, v in video.items() if k not in _IMAGE_BOUNDS}  # the image bounds are not the video's
     size = video.get("size") or {}
-    get = {k: video.get(k, d) for k, d in _VIDEO_DEFAULTS[model_type].items()}
+    get = {k: video.get(k, d) for k, d in defaults.items()}
     lo = video.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or get["shortest_edge"]
     hi = video.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or get["longest_edge"]
     sampler = "qwen3_vl" if model_type == "qwen3_vl" else "qwen2_vl"
     adopt_setting(cfg, "image.video", sampler, f"{path} ({model_type}: HF {_PROCESSOR_CLASS[sampler]})")
-    adopt_video_settings(cfg, video, where, model_type, _VIDEO_DEFAULTS[model_type])
-    adopt_setting(cfg, "image.video_min_frames", int(get["min_frames"]), f"{where} min_frames")
-    adopt_setting(cfg, "image.video_max_frames", int(get["max_frames"]), f"{where} max_frames")
+    adopt_video_settings(cfg, video, where, model_type, defaults)
+    # how a clip is sampled and capped is the user's choice (as qwen-vl-utils' and HF's call arguments are)
+    adopt_setting(cfg, "image.video_min_frames", int(get["min_frames"]), f"{where} min_frames", user_may_override=True)
+    adopt_setting(cfg, "image.video_max_frames", int(get["max_frames"]), f"{where} max_frames", user_may_override=True)
     adopt_setting(cfg, "image.video_min_pixels", int(lo), f"{where} size shortest_edge", user_may_override=True)
     adopt_setting(cfg, "image.video_max_pixels", int(hi), f"{where} size longest_edge", user_may_override=True)
     adopt_setting(cfg, "image.video_cap_pixels_per_frame", bool(get["cap_pixels_per_frame"]),
-                  f"{where} cap_pixels_per_frame")
-    adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens")
+                  f"{where} cap_pixels_per_frame", user_may_override=True)
+    adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens",
+                  user_may_override=True)
     for key in ("patch_size", "merge_size", "temporal_patch_size"):
         if video.get(key) is not None and int(video[key]) != getattr(cfg.image, key):
             raise ValueError(f"{where}: the video processor's {key}={video[key]} disagrees with config.json "
