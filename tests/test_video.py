@@ -203,6 +203,37 @@ def test_a_published_qwen_checkpoint_samples_video_as_qwen_vl_utils_exactly_as_h
     assert len(plan_video(four_s.read_bytes(), fps4).indices) == 12  # 16 at 4 fps, capped at 12
 
 
+def test_sampler_edge_cases_equal_hf_or_are_refused_as_hf_refuses_them(clips, tmp_path):
+    """Qwen3-VL asked for more frames than a clip holds: np.linspace repeats indices and HF's PyAV loader yields
+    each of those frames once (was skipped as empty_video): frames, grid and pixels equal HF's. Qwen2-VL settings
+    with which HF's sampler divides by zero (num_frames 1 at temporal patch 2, max_frames below one patch) are
+    refused, named."""
+    ckpt = make_qwen_checkpoint(tmp_path / "q3", "qwen3_vl")
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
+        dict(VIDEO_PROCESSOR["qwen3_vl"], fps=None, min_frames=20, max_frames=24)))
+    cfg = Config()
+    cfg.model.path = str(ckpt)
+    im = qwen_vl.configure(cfg).image
+    plan = plan_video(clips.data["h264_mkv"], im)  # 15 frames, 20 asked
+    assert plan.indices.tolist() == sorted(set(np.linspace(0, 14, 20).round().astype(int).tolist()))
+    (tmp_path / "ref").mkdir()
+    ref = _run_reference(ckpt, {"h264_mkv": clips.paths["h264_mkv"]}, tmp_path / "ref")
+    assert plan.indices.tolist() == np.unique(ref["h264_mkv/indices"]).tolist()  # HF's loader: each frame once
+    assert [list(plan.grid)] == ref["h264_mkv/grid"].tolist()
+    ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data["h264_mkv"], plan, im),
+                                                                   im)), im.video_mean, im.video_std).numpy()
+    assert np.array_equal(ours, ref["h264_mkv/pixels"])
+    q2 = make_qwen_checkpoint(tmp_path / "q2", "qwen2_vl")
+    (q2 / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen2_vl"]))
+    for key, value, message in (("video_num_frames", 1, r"video_num_frames = 1 .* rounds to 0 frames"),
+                                ("video_max_frames", 1, r"video_max_frames = 1 .* below one temporal patch")):
+        cfg = Config()
+        cfg.model.path = str(q2)
+        setattr(cfg.image, key, value)
+        with pytest.raises(ValueError, match=message + r".*divides by zero"):
+            qwen_vl.configure(cfg)
+
+
 # ------------------------------------------------------------------ header cost and pixels == HF
 def test_configure_reads_the_video_processor(family):
     im, want = family.cfg.image, VIDEO_PROCESSOR[family.name]

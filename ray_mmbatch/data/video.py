@@ -240,9 +240,10 @@ def _sample_qwen3(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
         num = min(max(num, cfg.video_min_frames), cfg.video_max_frames, total)
     if num is None:
         num = min(max(total, cfg.video_min_frames), cfg.video_max_frames)
-    if num > total:
-        raise VideoSkip(S.SKIP_EMPTY_VIDEO, f"{total} frames, fewer than the {num} the processor samples")
-    return np.linspace(0, total - 1, num).round().astype(np.int32)
+    # more frames than the clip holds (num_frames, or min_frames over a short clip): linspace repeats indices, and
+    # HF's PyAV loader (read_video_pyav: `i in indices`) then yields each of those frames once; so do we (HF's
+    # torchcodec path would repeat them: docs/data.md). Nothing is refused here (was: skipped as empty_video)
+    return np.unique(np.linspace(0, total - 1, num).round().astype(np.int32))
 
 
 def _smart_resize_qwen3(num_frames: int, height: int, width: int, cfg: ImageConfig, max_pixels: int

@@ -115,6 +115,22 @@ def _has_video_settings(video: dict) -> bool:
     return any(k in video for k in _VIDEO_KEYS)
 
 
+def _check_qwen2_sampling(im, where: str) -> None:
+    """Settings with which HF's Qwen2VLVideoProcessor.sample_frames cannot sample any clip, refused as it refuses
+    them (it divides by zero): num_frames rounding to 0 temporal patches, or max_frames below one patch."""
+    if not im.video_sample_frames:
+        return
+    tps = max(1, int(im.temporal_patch_size))
+    if im.video_num_frames is not None and round(im.video_num_frames / tps) * tps == 0:
+        raise ValueError(f"image.video_num_frames = {im.video_num_frames} (from {where} or --set) rounds to 0 frames "
+                         f"at temporal_patch_size {tps}, and HF's Qwen2VLVideoProcessor then divides by zero: sample "
+                         f"at least {tps} frames")
+    if im.video_num_frames is None and im.video_fps is not None and im.video_max_frames < tps:
+        raise ValueError(f"image.video_max_frames = {im.video_max_frames} (--video-max-frames, or {where}) is below "
+                         f"one temporal patch ({tps} frames), and HF's Qwen2VLVideoProcessor then divides by zero: "
+                         f"allow at least {tps}")
+
+
 def _configure_video(cfg, path: str, model_type: str) -> None:
     """image.video* and text.video_token from the checkpoint's video processor (Qwen2-VL / Qwen2.5-VL)."""
     from ray_mmbatch.models.hf_common import adopt_setting, adopt_video_settings, video_processor_settings
@@ -143,6 +159,8 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
                   f"{where} cap_pixels_per_frame", user_may_override=True)
     adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens",
                   user_may_override=True)
+    if sampler == "qwen2_vl":
+        _check_qwen2_sampling(cfg.image, where)
     for key in ("patch_size", "merge_size", "temporal_patch_size"):
         if video.get(key) is not None and int(video[key]) != getattr(cfg.image, key):
             raise ValueError(f"{where}: the video processor's {key}={video[key]} disagrees with config.json "
