@@ -78,9 +78,8 @@ def join_check(address: str, timeout: float = 3.0) -> str:
     switching this process to token mode with the token Ray keeps, or refused with ClusterError."""
     if not _is_host_port(address):
         return "?"
-    target = address
     try:
-        answer = _ask(target, None, timeout)
+        answer = _ask(address, None, timeout)
     except ImportError:  # Ray's generated protocol moved: ray.init will say what it says
         return "?"
     if answer != "token":
@@ -93,7 +92,7 @@ def join_check(address: str, timeout: float = 3.0) -> str:
     if header is None:
         raise ClusterError(f"the Ray cluster at {address} requires token authentication and this shell has no "
                            f"token: {TOKEN_FIX}")
-    if _ask(target, header, timeout) == "token":
+    if _ask(address, header, timeout) == "token":
         raise ClusterError(f"the Ray cluster at {address} refuses this shell's token (RAY_AUTH_TOKEN, "
                            f"RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token): {TOKEN_FIX}")
     if mode != "token":
