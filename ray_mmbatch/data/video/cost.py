@@ -1,0 +1,117 @@
+"""Video cost: the frame size, grid and tokens of a clip from its header and sampled indices (no frame decoded).
+
+    probe_video -> sample_indices -> frame_size -> VideoPlan (grid (t, h, w) in patches, tokens t*h*w / merge**2)
+
+Per-frame smart resize (HF's, with cap_pixels_per_frame); Qwen3-VL's bounds are over the whole clip; LLaVA-OneVision
+squashes every frame to the tower's square. Pure module: numpy only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ray_mmbatch.config import ImageConfig
+from ray_mmbatch.data.video.probe import VideoHeader, probe_video
+from ray_mmbatch.data.video.sampling import sample_indices
+
+
+def _smart_resize_qwen3(num_frames: int, height: int, width: int, cfg: ImageConfig, max_pixels: int
+                        ) -> tuple[int, int]:
+    """HF Qwen3-VL video ``smart_resize``: the bounds are on t x h x w (all the clip's pixels), formula for formula.
+    A clip of fewer frames than temporal_patch_size counts as one temporal patch (HF raises there)."""
+    from ray_mmbatch.data.image.core import _check_aspect
+
+    tf, factor, min_pixels = max(1, int(cfg.temporal_patch_size)), cfg.factor, cfg.video_min_pixels
+    num_frames = max(num_frames, tf)
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    _check_aspect(height, width, cfg)
+    h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+    t_bar = round(num_frames / tf) * tf
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _frame_pixels(n_frames: int, cfg: ImageConfig) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of one frame: HF Qwen2VLVideoProcessor.resize's bounds."""
+    hi = cfg.video_max_pixels
+    if cfg.video_cap_pixels_per_frame:
+        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
+        hi = max(min(hi, total * cfg.temporal_patch_size // n_frames), int(cfg.video_min_pixels * 1.05))
+    return cfg.video_min_pixels, hi
+
+
+def frame_size(header: VideoHeader, n_frames: int, cfg: ImageConfig) -> tuple[int, int]:
+    """(height, width) every sampled frame is resized to (HF's smart_resize with the video bounds)."""
+    from ray_mmbatch.data.image.smart import smart_resize
+
+    if cfg.video == "llava_onevision":  # every frame squashed to the tower's square, as its processor does
+        return cfg.image_size, cfg.image_size
+    if cfg.video == "qwen3_vl":  # the pixel bounds are the whole clip's; the cap is per frame, times frames
+        hi = cfg.video_max_pixels
+        if cfg.video_cap_pixels_per_frame:
+            per_frame = max(min(cfg.video_max_tokens * cfg.factor ** 2, cfg.video_max_pixels // n_frames),
+                            int(cfg.video_min_pixels * 1.05))
+            hi = per_frame * n_frames
+        return _smart_resize_qwen3(n_frames, header.height, header.width, cfg, hi)
+    lo, hi = _frame_pixels(n_frames, cfg)
+    return smart_resize(header.height, header.width, dataclasses.replace(cfg, min_pixels=lo, max_pixels=hi))
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """A clip's cost: which frames, at what size, and the grid the model sees."""
+
+    header: VideoHeader
+    indices: np.ndarray
+    grid: tuple[int, int, int]  # (t, h, w) in patches: HF's video_grid_thw
+    tokens: int                  # t * h * w / merge**2
+    temporal: int                # temporal_patch_size
+
+    @property
+    def frames(self) -> int:
+        return len(self.indices)
+
+    @property
+    def second_per_grid_t(self) -> float:
+        """Qwen2.5-VL's ``second_per_grid_ts``: temporal_patch_size / the sampled frame rate (HF's processor)."""
+        sampled_fps = len(self.indices) / self.header.frames * self.header.fps
+        return self.temporal / sampled_fps
+
+    def timestamps(self) -> list[float]:
+        """Qwen3-VL: the time of each temporal patch, as its processor computes it (``_calculate_timestamps``:
+        indices padded to temporal_patch_size by the last, seconds = index / fps, each patch's first and last
+        frame averaged)."""
+        idx = [int(i) for i in self.indices]
+        idx += [idx[-1]] * (-len(idx) % self.temporal)
+        t = [i / self.header.fps for i in idx]
+        return [(t[k] + t[k + self.temporal - 1]) / 2 for k in range(0, len(t), self.temporal)]
+
+    def timestamp_texts(self) -> list[str]:
+        """Qwen3-VL's text before each temporal patch's vision block: ``<1.5 seconds>``."""
+        return [f"<{t:.1f} seconds>" for t in self.timestamps()]
+
+
+def plan_video(data, cfg: ImageConfig) -> VideoPlan:
+    """probe_video + sample_indices + frame_size: the clip's exact grid and tokens, no frame decoded."""
+    header = probe_video(data, cfg)
+    indices = sample_indices(header, cfg)
+    height, width = frame_size(header, len(indices), cfg)
+    if cfg.video == "llava_onevision":  # one whole-frame "patch" a frame; its features pooled 2 x 2, + a newline
+        pooled = math.ceil(cfg.anyres_features / 2)
+        return VideoPlan(header, indices, (len(indices), 1, 1), len(indices) * pooled * pooled + 1, 1)
+    tps, ps = max(1, int(cfg.temporal_patch_size)), cfg.patch_size
+    grid = (-(-len(indices) // tps), height // ps, width // ps)
+    return VideoPlan(header, indices, grid, grid[0] * grid[1] * grid[2] // cfg.merge_size ** 2, tps)
+

@@ -1,0 +1,84 @@
+"""Video sampling: which frames (decode order) the family's HF video processor takes from a clip.
+
+Formula for formula: Qwen2VLVideoProcessor.sample_frames (torch's float arange emulated), Qwen3VLVideoProcessor's
+np.linspace, BaseVideoProcessor's default (LLaVA-OneVision). Pure module: numpy only.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.config import ImageConfig
+from ray_mmbatch.data.video.probe import VideoHeader, VideoSkip
+
+
+def _torch_float_arange_int(end: int, step: float) -> np.ndarray:
+    """``torch.arange(0, end, step).int()`` for a Python float step: float32 values computed in double
+    (torch's CPU kernel), truncated to int32; the length ceil(end / step) as torch computes it."""
+    n = int(math.ceil(end / step))
+    return (np.arange(n, dtype=np.float64) * step).astype(np.float32).astype(np.int32)
+
+
+def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
+    """Indices (decode order) of the frames the family's HF video processor takes from this clip."""
+    total, tps = header.frames, max(1, int(cfg.temporal_patch_size))
+    if cfg.video == "qwen3_vl":
+        return _sample_qwen3(header, cfg)
+    if cfg.video == "llava_onevision":
+        return _sample_default(header, cfg)
+    if cfg.video != "qwen2_vl":
+        raise ValueError(f"no video sampler {cfg.video!r}")
+    if not cfg.video_sample_frames:
+        return np.arange(total, dtype=np.int32)
+    num = None
+    if cfg.video_num_frames is not None:
+        num = round(cfg.video_num_frames / tps) * tps
+    elif cfg.video_fps is not None:
+        most = math.floor(min(cfg.video_max_frames, total) / tps) * tps
+        num = total / header.fps * cfg.video_fps
+        num = min(max(num, cfg.video_min_frames), most, total)
+        num = math.floor(num / tps) * tps
+    if num is None:
+        return np.arange(total, dtype=np.int32)
+    if num > total:
+        raise VideoSkip(S.SKIP_EMPTY_VIDEO, f"{total} frames, fewer than the {num} the processor samples")
+    if num <= 0:  # HF divides by zero here; a clip shorter than one temporal patch is taken whole
+        return np.arange(total, dtype=np.int32)
+    return _torch_float_arange_int(total, total / num)
+
+
+def _sample_default(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
+    """HF BaseVideoProcessor.sample_frames (``default_sample_indices_fn``; LLaVA-OneVision): num_frames, or
+    max(1, int(duration x fps)), spread as arange(n) * total // n; every frame when it does not sample."""
+    total = header.frames
+    if not cfg.video_sample_frames:
+        return np.arange(total, dtype=np.int32)
+    num = cfg.video_num_frames
+    if num is None and cfg.video_fps is not None:
+        num = max(1, int(total / header.fps * cfg.video_fps))
+    if num is None:
+        return np.arange(total, dtype=np.int32)
+    if num > total:
+        raise VideoSkip(S.SKIP_EMPTY_VIDEO, f"{total} frames, fewer than the {num} the processor samples")
+    return (np.arange(num, dtype=np.int64) * total // num).astype(np.int32)
+
+
+def _sample_qwen3(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
+    """HF Qwen3VLVideoProcessor.sample_frames: int(duration x fps) frames within min..max_frames (and the
+    clip), spread by np.linspace over the clip and rounded; every frame when it does not sample."""
+    total = header.frames
+    if not cfg.video_sample_frames:
+        return np.arange(total, dtype=np.int32)
+    num = cfg.video_num_frames
+    if num is None and cfg.video_fps is not None:
+        num = int(total / header.fps * cfg.video_fps)
+        num = min(max(num, cfg.video_min_frames), cfg.video_max_frames, total)
+    if num is None:
+        num = min(max(total, cfg.video_min_frames), cfg.video_max_frames)
+    # more frames than the clip holds (num_frames, or min_frames over a short clip): linspace repeats indices, and
+    # HF's PyAV loader (read_video_pyav: `i in indices`) then yields each of those frames once; so do we (HF's
+    # torchcodec path would repeat them: docs/data.md). Nothing is refused here (was: skipped as empty_video)
+    return np.unique(np.linspace(0, total - 1, num).round().astype(np.int32))
+
