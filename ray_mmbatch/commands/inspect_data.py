@@ -60,6 +60,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     cfg = config_from_args(args)
     if not (cfg.data.path or cfg.data.sources):
         parser.error("--data is required")
+    from ray_mmbatch.formats.listing import one_listing
+
+    with one_listing():  # the pre-flight and the read share one listing of each source
+        return _inspect(cfg, args)
+
+
+def _inspect(cfg, args) -> int:
     from ray_mmbatch.run.preflight import PreflightError, TooManySkippedAtStart, configure_run, preflight
     from ray_mmbatch.run.raylogs import quiet_ray
 

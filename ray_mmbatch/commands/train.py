@@ -43,17 +43,24 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
-    from ray_mmbatch.run.progress import ProgressPrinter, format_summary
     from ray_mmbatch.run.raylogs import quiet_ray
-    from ray_mmbatch.run.rundir import RunDir
 
     quiet_ray(args.verbose, own_progress=True)
     cfg = config_from_args(args)
     ensure_demo_data(cfg)
+    from ray_mmbatch.formats.listing import one_listing
+
+    with one_listing():  # pre-flight, the plan's count, the pipeline and --filter's counts share one listing
+        return _train(cfg)
+
+
+def _train(cfg) -> int:
     from ray_mmbatch.dataflow.pools import ResourceError
     from ray_mmbatch.models.trainable import check_config as check_trainable
     from ray_mmbatch.run.guards import TooManySkipped
     from ray_mmbatch.run.preflight import PreflightError, preflight
+    from ray_mmbatch.run.progress import ProgressPrinter, format_summary
+    from ray_mmbatch.run.rundir import RunDir
     from ray_mmbatch.run.trackers import TrackerError, check_trackers
 
     try:

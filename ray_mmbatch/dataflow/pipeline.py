@@ -103,7 +103,7 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
 
 
 def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch: int = 0,
-                  return_payloads: bool = False):
+                  return_payloads: bool = False, reader: tuple | None = None):
     """The whole data path of one epoch for training: one BATCH row per planned batch.
 
     ``position`` (resume) is a checkpoint's data position (data.position.DataPosition's
@@ -112,7 +112,8 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     boundaries Ray Data draws. Epoch e reads its units in a seeded order, mixes the samples in
     a seeded shuffle buffer (``data.shuffle``, batching/shuffle.py) and plans with seeds of its
     own; batch ids start with ``e{epoch}/``. ``return_payloads``: return
-    (dataset, the payload store) to read the holders' ``stats()`` after the pass.
+    (dataset, the payload store) to read the holders' ``stats()`` after the pass. ``reader``: the run's
+    listing (formats/units.read_units), when the caller listed already (trainer.build_trainer does, once).
     """
     from ray_mmbatch.data.position import DataPosition
     from ray_mmbatch.dataflow.payloads import RayPayloads
@@ -120,7 +121,7 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
 
     done = DataPosition.from_state(position).epochs.get(epoch)
     stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
-    reader = read_units(cfg.data.path, cfg.data)
+    reader = reader or read_units(cfg.data.path, cfg.data)
     check_listing(position, listing_digest(reader[0]), cfg.data.path)  # the indices must mean the same units
     # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
     pools = pools_for(cfg)

@@ -27,7 +27,7 @@ import os
 
 import pyarrow as pa
 
-from ray_mmbatch.formats import arrow, data_patterns, fs, llava, parquet, splits, webdataset
+from ray_mmbatch.formats import arrow, data_patterns, fs, listing, llava, parquet, splits, webdataset
 from ray_mmbatch.formats.records import rows_to_table
 
 FORMATS = {"parquet": parquet, "webdataset": webdataset, "llava": llava, "arrow": arrow}
@@ -45,8 +45,8 @@ def _glob(pattern: str) -> tuple[str, list[str]]:
     root = head if head.endswith("/") else (head.rsplit("/", 1)[0] + "/" if "/" in head else "./")
     root = root.rstrip("/") or "/"
     if fs.is_uri(pattern):
-        fs.check_root(root)
-        files = [f for f in fs.list_files(root) if fnmatch.fnmatchcase(f, pattern)]
+        listing.check_root(root)
+        files = [f for f in listing.files(root) if fnmatch.fnmatchcase(f, pattern)]
     else:
         files = sorted(f for f in glob.glob(fs.local_path(pattern), recursive=True) if not os.path.isdir(f))
     if not files:
@@ -68,7 +68,7 @@ def _is_glob(location: str) -> bool:
     if not any(c in tail for c in _GLOB):
         return False
     try:
-        return fs.kind(location) == "missing"
+        return listing.kind(location) == "missing"
     except OSError:
         return True
 
@@ -84,14 +84,20 @@ def _bookkeeping(files: list[str]) -> set[str]:
 
 def resolve(location: str, fmt: str = "auto", split: str = "train") -> tuple[str, str, list[str]]:
     """(format, dataset root, sorted files) for a file, folder or glob (local path or URI). A folder whose
-    files name Hub splits gives the files of ``split`` only (formats/splits.py)."""
+    files name Hub splits gives the files of ``split`` only (formats/splits.py). Once per run
+    (formats/listing.py)."""
+    return listing.remembered(("resolve", location, fmt, split), lambda: _resolve(location, fmt, split),
+                              lambda found: (found[0], found[1], list(found[2])))
+
+
+def _resolve(location: str, fmt: str, split: str) -> tuple[str, str, list[str]]:
     if fmt not in tuple(FORMATS) + ("auto",):
         raise ValueError(f"data.format must be one of {tuple(FORMATS) + ('auto',)}, got {fmt!r}")
     if _is_glob(location):
         root, files = _glob(location)
-    elif fs.check_root(location) == "dir":
+    elif listing.check_root(location) == "dir":
         root = location.rstrip("/")
-        every = fs.list_files(root)
+        every = listing.files(root)
         names = {fs.relative(f, root) for f in every}
         if fmt in ("auto", "llava"):
             index = [fs.join(root, n) for n in llava.INDEX_NAMES if n in names]
@@ -117,9 +123,19 @@ def resolve(location: str, fmt: str = "auto", split: str = "train") -> tuple[str
 
 
 def list_units(location: str, data_cfg) -> tuple[str, list[dict]]:
-    """(format, read units) of a dataset location."""
-    fmt, root, files = resolve(location, data_cfg.format, getattr(data_cfg, "split", "train"))
-    return fmt, FORMATS[fmt].list_units(files, root, data_cfg)
+    """(format, read units) of a dataset location; once per run and settings (formats/listing.py)."""
+    def compute():
+        fmt, root, files = resolve(location, data_cfg.format, getattr(data_cfg, "split", "train"))
+        return fmt, FORMATS[fmt].list_units(files, root, data_cfg)
+    return listing.remembered(("units", location, listing.settings_key(data_cfg)), compute, listing.copy_units)
+
+
+def count(location: str, data_cfg) -> int:
+    """Rows the source's units yield (its format's ``count``: headers only); once per run and settings."""
+    def compute():
+        fmt, units = list_units(location, data_cfg)
+        return FORMATS[fmt].count(units, data_cfg)
+    return listing.remembered(("count", location, listing.settings_key(data_cfg)), compute)
 
 
 def read_as(fmt: str, units: list[dict], data_cfg) -> list[str]:

@@ -6,13 +6,16 @@ end-of-stream marker ``ff ff ff ff 00 00 00 00``); a file that starts with the `
 read as the IPC **file** format (footer + random access). HF ``Image`` features are
 struct<bytes, path> with the local files' bytes embedded: the same layouts as Parquet.
 
-Read unit: consecutive record batches of one shard, up to UNIT_ROWS rows or UNIT_BYTES bytes
-(datasets writes batches of 100-1000 rows). Listing walks each shard once, batch by batch, for
-the row counts (and the --filter columns): on a local file through a memory map, so nothing is
-copied or decoded; on an object store it is streamed. It records each unit's byte range, so a
-unit is read with one ranged read (zero-copy on a memory map), never by streaming the shard's
-head again (a stream whose schema has dictionary fields is the exception: its units replay the
-stream from the start, since the dictionaries sit before the batches).
+Read unit: consecutive record batches of one shard, up to UNIT_ROWS rows or UNIT_BYTES bytes of
+the shard (datasets writes batches of 100-1000 rows). Listing walks each shard's message headers
+once (formats/ipc_headers.py) for the row counts and byte ranges, never its batch bodies: on a
+local file over a memory map, on an object store with a few small ranged reads per shard, so a
+shard's bytes are fetched once, where the pipeline reads them (issue 44; benchmarks/bench_listing.py).
+Only --filter reads values at listing: each batch by its byte range. A unit is read with one
+ranged read (zero-copy on a memory map), never by streaming the shard's head again (a stream
+whose schema has dictionary fields is the exception: its units replay the stream from the
+start, since the dictionaries sit before the batches). A run lists each shard once
+(formats/listing.py).
 
 Columns, layout, --filter and row conversion are Parquet's (formats/parquet.py:
 ``table_columns``, ``check_filter_columns``, ``kept_rows``, ``rows_of_table``): each unit's "rows"
@@ -30,14 +33,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
-from ray_mmbatch.formats import filters, fs, layouts, parquet
+from ray_mmbatch.formats import filters, fs, ipc_headers, layouts, parquet
 from ray_mmbatch.formats.records import file_skip_row
 
 EXTS = (".arrow",)
 UNIT_ROWS = 2048
 UNIT_BYTES = 64 << 20
 FILE_MAGIC = b"ARROW1"
-STREAM_BUFFER = 8 << 20  # listing a shard on an object store: one request per 8 MiB, not one per message part
+STREAM_BUFFER = 8 << 20  # replaying a stream for --filter on an object store: one request per 8 MiB
 
 
 def _open(path: str):
@@ -49,97 +52,103 @@ def _open(path: str):
     return fs.open_random_access(path)
 
 
-def _is_file_format(path: str) -> bool:
-    with fs.open_input(path) as f:
-        return f.read(len(FILE_MAGIC)) == FILE_MAGIC
-
-
 def _has_dictionaries(arrow_schema: pa.Schema) -> bool:
     def walk(t: pa.DataType) -> bool:
         return pa.types.is_dictionary(t) or any(walk(t.field(i).type) for i in range(t.num_fields))
     return any(walk(f.type) for f in arrow_schema)
 
 
-class _Counted:
-    """A stream that knows how many bytes it has given (an object store's input stream cannot ``tell``)."""
+def _listed_batches(path: str, clauses, check) -> tuple[str, pa.Schema, list[tuple[int, int, int, int]], bool]:
+    """(ipc "stream" / "file", schema, [(start byte, end byte, rows, rows --filter keeps)], dictionaries?).
 
-    def __init__(self, raw):
-        self.raw, self.pos, self.closed = raw, 0, False
-
-    def read(self, n: int = -1) -> bytes:
-        data = self.raw.read(n)
-        self.pos += len(data)
-        return data
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self.closed = True
-        self.raw.close()
-
-
-def _stream_batches(path: str):
-    """(schema, [(start byte, end byte, batch)], dictionaries?) of an IPC stream; raises ValueError when the
-    stream ends without its end-of-stream marker (a shard cut at a batch boundary reads as shorter, silently,
-    otherwise)."""
-    source = _open(path) if not fs.is_uri(path) else \
-        pa.PythonFile(_Counted(pa.BufferedInputStream(fs.open_input(path), STREAM_BUFFER)), mode="r")
-    with source:
-        reader = pa.ipc.open_stream(source)
-        dicts = _has_dictionaries(reader.schema)
-        out, pos = [], source.tell()
-        while True:
+    The record batch headers only (formats/ipc_headers.py: locally a walk over the memory map; on an object
+    store a few small ranged reads a shard, no body fetched); with --filter, the filter's columns too (on an
+    object store only their buffers are fetched), once ``check(schema)`` (the layout and the filter's
+    columns: raises) passed."""
+    ipc = "stream"
+    try:
+        with _open(path) as f:
             try:
-                batch = reader.read_next_batch()
-            except StopIteration:
-                break
-            out.append((pos, source.tell(), batch))
-            pos = source.tell()
-        if source.tell() == pos:  # nothing after the last batch: no end-of-stream marker
-            raise ValueError(f"cut short: no end-of-stream marker after {len(out)} record batches "
-                             f"({sum(b.num_rows for _, _, b in out)} rows); the writer did not finish")
-        return reader.schema, out, dicts
+                ipc, arrow_schema, found, dicts, walked = ipc_headers.walk(f, whole=not fs.is_uri(path))
+            except ValueError:
+                ipc = "file" if f.read_at(len(FILE_MAGIC), 0) == FILE_MAGIC else "stream"  # to name it
+                raise
+            dicts = dicts or _has_dictionaries(arrow_schema)
+            check(arrow_schema)
+            kept = _kept(f, path, ipc, arrow_schema, found, dicts, walked, clauses) if clauses \
+                else [n for _, _, n in found]
+    except (layouts.LayoutError, _NotUsable):
+        raise
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise _Unreadable(ipc, exc) from None
+    return ipc, arrow_schema, [(a, b, n, k) for (a, b, n), k in zip(found, kept)], dicts
 
 
-def _file_batches(path: str):
-    with _open(path) as f:
+def _kept(f, path: str, ipc: str, arrow_schema: pa.Schema, found: list, dicts: bool, walked, clauses) -> list[int]:
+    """Rows --filter keeps in each record batch: on an object store only the filter's columns are fetched
+    (ipc_headers.read_columns); else each batch is read by its byte range (a stream with dictionaries:
+    replayed from its start; the file format: through its footer)."""
+    names = [c for c in filters.columns(clauses) if c in arrow_schema.names]
+    if fs.is_uri(path) and ipc == "stream" and not dicts:
+        out = []
+        for (start, end, _), layout in zip(found, walked.layouts):
+            batch = ipc_headers.read_columns(f, arrow_schema, start, layout, names)
+            if batch is None:  # compressed or view buffers: the whole batch
+                batch = pa.ipc.read_record_batch(pa.ipc.read_message(f.read_at(end - start, start)), arrow_schema)
+            out.append(int(filters.mask(batch, clauses).sum()))
+        return out
+    if ipc == "file":
         reader = pa.ipc.open_file(f)
-        return reader.schema, [(-1, -1, reader.get_batch(i)) for i in range(reader.num_record_batches)], False
+        batches = (reader.get_batch(i) for i in range(len(found)))
+    elif dicts:  # dictionaries sit between the batches: replay the stream, buffered (8 MiB a request)
+        f.seek(0)
+        reader = pa.ipc.open_stream(pa.BufferedInputStream(f, STREAM_BUFFER))
+        batches = (reader.read_next_batch() for _ in found)
+    else:
+        batches = (pa.ipc.read_record_batch(pa.ipc.read_message(f.read_at(end - start, start)), arrow_schema)
+                   for start, end, _ in found)
+    return [int(filters.mask(b, clauses).sum()) for b in batches]
+
+
+class _NotUsable(Exception):
+    """A shard whose columns do not fit the layout or the filter (the message says why)."""
+
+
+class _Unreadable(Exception):
+    def __init__(self, ipc: str, exc: Exception):
+        super().__init__(f"not a readable Arrow IPC {ipc}: {exc}")
 
 
 def _file_units(path: str, root: str, data_cfg) -> list[dict]:
     rel = fs.relative(path, root)
     base = {"path": path, "rel": rel, "error": "", "ipc": "stream", "batch": 0, "batches": 0, "offset": -1,
             "length": -1, "row_offset": 0, "rows": 1, "filtered": 0, "columns": "", "read_as": ""}
-    if fs.kind(path) != "file":
+    if not fs.is_uri(path) and fs.kind(path) != "file":  # an object store lists objects only
         return [dict(base, error="not a regular file (dangling link, FIFO or device): never opened")]
     clauses = filters.parse(getattr(data_cfg, "filter", ""))
-    ipc = "stream"
-    try:
-        ipc = "file" if _is_file_format(path) else "stream"
-        arrow_schema, batches, dicts = (_file_batches if ipc == "file" else _stream_batches)(path)
-        try:
-            cols = parquet.table_columns(arrow_schema, data_cfg)
-        except layouts.LayoutError as exc:
-            return [dict(base, error=str(exc))]
+    found = {}
+
+    def check(arrow_schema: pa.Schema) -> None:
+        found["columns"] = parquet.table_columns(arrow_schema, data_cfg)  # LayoutError: this shard is skipped
         why = parquet.check_filter_columns(arrow_schema, data_cfg)
         if why:
-            return [dict(base, error=why)]
-        kept = [int(filters.mask(b, clauses).sum()) if clauses else b.num_rows for _, _, b in batches]
-    except (OSError, ValueError, pa.ArrowException) as exc:  # any failure of one shard skips that shard, named
-        return [dict(base, error=f"not a readable Arrow IPC {ipc}: {exc}")]
+            raise _NotUsable(why)
+
+    try:
+        ipc, arrow_schema, batches, dicts = _listed_batches(path, clauses, check)
+    except (layouts.LayoutError, _NotUsable) as exc:
+        return [dict(base, error=str(exc))]
+    except _Unreadable as exc:  # any failure of one shard skips that shard, named
+        return [dict(base, error=str(exc))]
+    cols = found["columns"]
     base.update(ipc=ipc, columns=cols.to_json(), read_as=cols.describe)
     units, row, i = [], 0, 0
     while i < len(batches):
         first, n_rows, n_bytes, n_kept = i, 0, 0, 0
         while i < len(batches) and (i == first or n_rows < UNIT_ROWS and n_bytes < UNIT_BYTES):
-            n_rows += batches[i][2].num_rows
-            n_bytes += batches[i][2].nbytes
-            n_kept += kept[i]
+            n_rows += batches[i][2]
+            n_bytes += batches[i][1] - batches[i][0]
+            n_kept += batches[i][3]
             i += 1
         seekable = ipc == "stream" and not dicts
         units.append(dict(base, batch=first, batches=i - first, row_offset=row, rows=n_kept, filtered=n_rows - n_kept,

@@ -31,7 +31,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from ray_mmbatch.formats import fs
+from ray_mmbatch.formats import fs, listing
 from ray_mmbatch.formats.data_patterns import (
     DEFAULT_PATTERNS_ALL,
     DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME,
@@ -175,9 +175,9 @@ _SPLIT_DIR = matcher([p for ps in DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME.values() fo
 
 def configs(root: str, files: list[str] | None = None) -> list[str]:
     """The config folders of a dataset root (sorted), or [] when it is not a folder of configs."""
-    if fs.kind(root) != "dir":
+    if listing.kind(root) != "dir":
         return []
-    files = fs.list_files(root) if files is None else files
+    files = listing.files(root) if files is None else files
     tops: dict[str, int] = {}
     rels = [fs.relative(f, root) for f in files]
     for rel in rels:

@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from ray_mmbatch import formats, schema
 from ray_mmbatch.config import DataConfig
+from ray_mmbatch.formats import listing
 from ray_mmbatch.formats.end_of_stream import END_UNIT, marker_table
 from ray_mmbatch.formats.records import rows_to_table
 
@@ -40,6 +41,7 @@ def read_unit_table(units: pa.Table, fmt: str, data_cfg: DataConfig) -> pa.Table
     return pa.concat_tables(tables) if tables else rows_to_table([])
 
 
+@listing.in_one_listing
 def read_units(path: str, data_cfg: DataConfig):
     """(read units, read_fn, read_kwargs): ``read_fn(pa.Table of units, **read_kwargs)`` -> RAW table.
 
@@ -66,12 +68,10 @@ def read_units(path: str, data_cfg: DataConfig):
         units, specs, rows = [], [], []
         for k, src in enumerate(sources):
             fmt, listed = formats.list_units(src.data.path, src.data)
-            first = 0
-            for u in listed:  # each unit's first row within its source: the blend draws per source row
-                units.append(dict(u, **{SOURCE: k, SOURCE_ROW0: first}))
-                if blend:  # row counts only where the blend needs them (a tar shard's are read from its headers)
-                    first += formats.FORMATS[fmt].count([u], src.data)
-            rows.append(first)
+            firsts = _unit_rows(src.data.path, src.data, fmt, listed) if blend else [0] * (len(listed) + 1)
+            for u, row0 in zip(listed, firsts):  # each unit's first row within its source: the blend draws per row
+                units.append(dict(u, **{SOURCE: k, SOURCE_ROW0: row0}))
+            rows.append(firsts[-1])
             specs.append((src.name, fmt, src.data))
         plan = BlendPlan(rows, [s.weight for s in sources], data_cfg.epoch_samples) if blend else None
         return units, read_source_units, {"sources": specs, "blend": plan, "epoch": 0, "seed": 0}
@@ -80,6 +80,17 @@ def read_units(path: str, data_cfg: DataConfig):
 
 
 SOURCE_ROW0 = "source_row0"  # a multi-source unit's first row within its source (the blend's row index)
+
+
+def _unit_rows(path: str, data_cfg, fmt: str, units: list[dict]) -> list[int]:
+    """Each unit's first row within its source, then the source's rows (a tar shard's rows are read from its
+    headers): once per run."""
+    def compute():
+        out = [0]
+        for u in units:
+            out.append(out[-1] + formats.FORMATS[fmt].count([u], data_cfg))
+        return out
+    return listing.remembered(("unit_rows", path, listing.settings_key(data_cfg)), compute, list)
 
 
 def for_epoch(reader: tuple, seed: int, epoch: int) -> tuple:
@@ -192,6 +203,7 @@ def read_with_position(units: pa.Table, read_fn, read_kwargs: dict, done=None, s
     return pa.concat_tables(tables)
 
 
+@listing.in_one_listing
 def count_samples(path: str, data_cfg: DataConfig) -> int:
     if data_cfg.sources:
         from ray_mmbatch.formats.sources import blended, data_sources
@@ -207,15 +219,14 @@ def _count_one(path: str, data_cfg: DataConfig) -> int:
     the LLaVA record list, WebDataset tar headers (a broken tar counts what it lists; a file
     that cannot be read counts its one skipped-file row). For progress and the learning-rate
     schedule of runs that go by epochs."""
-    fmt, units = formats.list_units(path, data_cfg)
-    return formats.FORMATS[fmt].count(units, data_cfg)
+    return formats.count(path, data_cfg)
 
 
+@listing.in_one_listing
 def listing_summary(reader: tuple, data_cfg: DataConfig) -> dict:
     """What a listing says before any read: how each source is read (formats.read_as), the splits its folder
     holds, the one read and the files left out (formats/splits.py), and the rows --filter leaves out
     ("filtered", per source)."""
-    from ray_mmbatch.formats import fs
     from ray_mmbatch.formats.sources import SOURCE
 
     units, _, kwargs = reader
@@ -229,7 +240,7 @@ def listing_summary(reader: tuple, data_cfg: DataConfig) -> dict:
         if filtered or getattr(cfg, "filter", ""):
             out["filtered"][name] = filtered
         try:
-            if cfg.path and fs.kind(cfg.path) == "dir":
+            if cfg.path and listing.kind(cfg.path) == "dir":
                 out["splits"].update(_split_summary(name or cfg.path, cfg))
         except (OSError, ValueError):
             pass
@@ -238,10 +249,10 @@ def listing_summary(reader: tuple, data_cfg: DataConfig) -> dict:
 
 def _split_summary(key: str, cfg: DataConfig) -> dict:
     """{key: the splits a folder holds (as HF datasets names them), the one read and the files left out}."""
-    from ray_mmbatch.formats import fs, splits
+    from ray_mmbatch.formats import splits
 
     root = cfg.path.rstrip("/")
-    every = fs.list_files(root)
+    every = listing.files(root)
     skip = formats._bookkeeping(every)
     sel = splits.selection(root, [f for f in every if f not in skip], cfg.split)
     if not sel.found:
@@ -252,6 +263,7 @@ def _split_summary(key: str, cfg: DataConfig) -> dict:
     return {key: {"found": splits.counts(sel.found), "read": sel.split, **told}}
 
 
+@listing.in_one_listing
 def filtered_counts(data_cfg: DataConfig) -> dict[str, int]:
     """Rows --filter leaves out, per source name ('' for a single dataset); {} without a filter. Listed
     again (the filter's columns only): what summary.json reports as filtered, apart from skips."""

@@ -21,6 +21,7 @@ from ray_mmbatch import schema as S
 from ray_mmbatch.config import Config
 from ray_mmbatch.data.errors import SkipRecord
 from ray_mmbatch.formats import fs
+from ray_mmbatch.formats.listing import in_one_listing as one_listing_per_run
 from ray_mmbatch.formats.units import filtered_counts
 from ray_mmbatch.run.defaults import resolve_defaults
 from ray_mmbatch.run.rundir import RunDir, read_jsonl, write_jsonl
@@ -194,8 +195,10 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
 
     name = run_name or cfg.train.run_name or out.name
     storage = storage_location(cfg)
-    # the data position counts read units of this listing: a resume over another one fails here
-    listing = listing_digest(read_units(cfg.data.path, cfg.data)[0])
+    # the data position counts read units of this listing: a resume over another one fails here. The same
+    # listing goes to every epoch's dataset (built in the Train controller's process): listed once a run
+    reader = read_units(cfg.data.path, cfg.data)
+    listing = listing_digest(reader[0])
     check_listing(ckpt.read_latest_position(out, fs.join(storage, name)), listing, cfg.data.path)
 
     progress = ray.data.DataContext.get_current().enable_progress_bars
@@ -208,7 +211,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
             set_deterministic(cfg.train.deterministic)
             ray.data.DataContext.get_current().enable_progress_bars = progress
             position = ckpt.read_latest_position(out, fs.join(storage, name), fallback=False)  # never ahead
-            return batch_dataset(cfg, ids["pad_id"], position=position, epoch=epoch)
+            return batch_dataset(cfg, ids["pad_id"], position=position, epoch=epoch, reader=reader)
         return build
 
     # One dataset per epoch, iterated one after the other by every rank (train/loop.py):
@@ -275,8 +278,11 @@ def storage_location(cfg: Config) -> str:
     return str(Path(cfg.train.output_dir).resolve() / RunDir.RAY_STORAGE)
 
 
+@one_listing_per_run
 def run_training(cfg: Config, plan: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Train; return and write OUTPUT_DIR/summary.json (with ``plan``, run_plan's unless given)."""
+    """Train; return and write OUTPUT_DIR/summary.json (with ``plan``, run_plan's unless given). Each data
+    source is listed once for the plan, the listing digest, the pipeline and the --filter counts
+    (formats/listing.py)."""
     t0 = time.time()
     resolve_defaults(cfg)  # a Config() built in Python: the settings left to the mode (cli.py did it for a command)
     plan = plan or run_plan(cfg)
