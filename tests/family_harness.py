@@ -61,6 +61,12 @@ TOLERANCE = {  # comments: worst CE / gradient difference seen, any mode, any ch
     "internvl": Tolerance(ce=2e-5, grad=1e-5),  # 6.7e-6 / 3.4e-6
     "gemma3": Tolerance(ce=1e-5, grad=1e-5),  # 3.8e-6 / 1.7e-6
     "idefics3": Tolerance(ce=2e-5, grad=2e-5),  # SmolVLM and Idefics3 checkpoints: 6.7e-6 / 5.6e-6
+    # Qwen3.5 (issue 45), worst CE / gradient, pack or pad: 1.91e-5 / 2.8e-5 (dense), 2.77e-5 / 7.0e-5 (MoE), pixel
+    # normalization rounding amplified by the vision tower, as for LLaVA-OneVision: the worst gradients are the
+    # vision blocks' and the merger's; fed our own pixels, one sample alone is bit-identical to HF's path and the
+    # batch is 1.4e-5 / 1.7e-5 from it (HF's vision tower over several samples' images at once)
+    "qwen3_5": Tolerance(ce=2e-5, grad=3e-5),
+    "qwen3_5_moe": Tolerance(ce=3e-5, grad=8e-5),
 }
 TOL = TOLERANCE["qwen2_vl"].ce  # tests/test_ingest.py's (a Qwen2-VL checkpoint) until it reads TOLERANCE itself
 

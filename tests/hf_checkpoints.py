@@ -119,3 +119,128 @@ def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 
     processor_kw.update(image_processor or {})
     Qwen2VLImageProcessorPil(**processor_kw).save_pretrained(d)
     return d
+
+
+# ------------------------------------------------------------------ Qwen3.5 (issue 45)
+# Qwen/Qwen3.5-*'s chat template as the hub repos ship it, tools left out (no test data calls tools): every
+# message's text trimmed; an assistant turn after the last user turn gets a think block (empty when the data
+# has no reasoning), the earlier ones none; the generation prompt opens a think block (``enable_thinking``
+# false: an empty one). So the template is not incremental over several assistant turns (data/text/template.py).
+QWEN3_5 = (
+    "{%- set image_count = namespace(value=0) %}{%- set video_count = namespace(value=0) %}"
+    "{%- macro render_content(content, do_vision_count, is_system_content=false) %}"
+    "{%- if content is string %}{{- content }}"
+    "{%- elif content is iterable and content is not mapping %}{%- for item in content %}"
+    "{%- if 'image' in item or 'image_url' in item or item.type == 'image' %}"
+    "{%- if is_system_content %}{{- raise_exception('System message cannot contain images.') }}{%- endif %}"
+    "{%- if do_vision_count %}{%- set image_count.value = image_count.value + 1 %}{%- endif %}"
+    "{%- if add_vision_id %}{{- 'Picture ' ~ image_count.value ~ ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif 'video' in item or item.type == 'video' %}"
+    "{%- if is_system_content %}{{- raise_exception('System message cannot contain videos.') }}{%- endif %}"
+    "{%- if do_vision_count %}{%- set video_count.value = video_count.value + 1 %}{%- endif %}"
+    "{%- if add_vision_id %}{{- 'Video ' ~ video_count.value ~ ': ' }}{%- endif %}"
+    "{{- '<|vision_start|><|video_pad|><|vision_end|>' }}"
+    "{%- elif 'text' in item %}{{- item.text }}"
+    "{%- else %}{{- raise_exception('Unexpected item type in content.') }}{%- endif %}{%- endfor %}"
+    "{%- elif content is none or content is undefined %}{{- '' }}"
+    "{%- else %}{{- raise_exception('Unexpected content type.') }}{%- endif %}"
+    "{%- endmacro %}"
+    "{%- if not messages %}{{- raise_exception('No messages provided.') }}{%- endif %}"
+    "{%- if messages[0].role == 'system' %}"
+    "{%- set content = render_content(messages[0].content, false, true)|trim %}"
+    "{{- '<|im_start|>system\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' %}"
+    "{%- set content = render_content(message.content, false)|trim %}"
+    "{%- if not(content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if ns.multi_step_tool %}{{- raise_exception('No user query found in messages.') }}{%- endif %}"
+    "{%- for message in messages %}{%- set content = render_content(message.content, true)|trim %}"
+    "{%- if message.role == 'system' %}"
+    "{%- if not loop.first %}{{- raise_exception('System message must be at the beginning.') }}{%- endif %}"
+    "{%- elif message.role == 'user' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}"
+    "{%- else %}{%- if '</think>' in content %}"
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}"
+    "{%- set reasoning_content = reasoning_content|trim %}"
+    "{%- if loop.index0 > ns.last_query_index %}"
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content + '\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
+QWEN3_5_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# 3 decoder layers: Gated DeltaNet, gated full attention, Gated DeltaNet (the published checkpoints: 3 of every 4
+# layers linear); head_dim 64 with a quarter rotary (16 dims: M-RoPE sections 3 + 3 + 2, interleaved)
+QWEN3_5_LAYERS = ("linear_attention", "full_attention", "linear_attention")
+
+
+def make_qwen3_5_checkpoint(directory, model_type: str = "qwen3_5", initializer_range: float = 0.2, seed: int = 0,
+                            text: dict | None = None, image_processor: dict | None = None) -> Path:
+    """A tiny random Qwen3.5 checkpoint (``qwen3_5``, or ``qwen3_5_moe``: 4 experts of 32, top 2, a shared expert)
+    as the Qwen/Qwen3.5-* repos hold one, shrunk: config.json (text 64 wide, QWEN3_5_LAYERS, DeltaNet 2 key heads
+    and 4 value heads of 16, conv kernel 4; vision tower 2 blocks of 32 with 16-pixel patches and a learned
+    8 x 8 position grid), model.safetensors, the tokenizer (the shipped BPE plus <|video_pad|>, <think> and
+    </think>; chat template QWEN3_5) and preprocessor_config.json from HF's Qwen2-VL PIL image processor (mean /
+    std 0.5 as Qwen3.5's, 4 .. 64 merged tokens per image). ``text`` overrides text config fields (the
+    benchmark widens the model). initializer_range 0.2 as the other makers, for visible leaks."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
+
+    if model_type not in QWEN3_5_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {QWEN3_5_MODEL_TYPES}, got {model_type!r}")
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tok = copy.deepcopy(load_tokenizer(""))  # a copy: load_tokenizer's instance is shared and cached
+    tok.add_tokens([AddedToken("<|video_pad|>", special=True, normalized=False)], special_tokens=True)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.chat_template = QWEN3_5
+    tok.save_pretrained(d)
+
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text_config = dict(
+        vocab_size=-(-len(tok) // 8) * 8, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=len(
+            QWEN3_5_LAYERS), layer_types=list(QWEN3_5_LAYERS), num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, max_position_embeddings=32768,
+        initializer_range=initializer_range, rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [3, 3, 2], "mrope_interleaved": True})
+    if model_type == "qwen3_5_moe":
+        text_config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=32)
+    text_config.update(text or {})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  temporal_patch_size=2, out_hidden_size=text_config["hidden_size"], num_position_embeddings=64,
+                  initializer_range=initializer_range)
+    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=vision,
+                                  initializer_range=initializer_range, tie_word_embeddings=False, **ids)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config)
+    model.save_pretrained(d, safe_serialization=True)
+
+    factor = 16 * 2
+    processor_kw = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3,
+                    "image_std": [0.5] * 3,
+                    "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 64 * factor * factor}}
+    processor_kw.update(image_processor or {})
+    Qwen2VLImageProcessorPil(**processor_kw).save_pretrained(d)
+    return d

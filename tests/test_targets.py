@@ -64,6 +64,9 @@ FAMILIES = {
     "gemma3": (("gemma3",), "gemma3", "gemma3", ("", "<end_of_turn>", "\n")),
     "smolvlm": (("idefics3", "smolvlm", True), "smolvlm", "smolvlm", (" ", "<end_of_utterance>", "\n")),
     "idefics3": (("idefics3", "idefics3", False), "idefics3", "smolvlm", (" ", "<end_of_utterance>", "\n")),
+    # Qwen3.5: the think block only on the turn after the last user turn, whose generation prompt opens it
+    # (derived from HF's mask on a marked copy of the template, _qwen3_5_turns: the template is not incremental)
+    "qwen3_5": (("qwen3_5",), "qwen3_vl", None, (("", "", "\n</think>\n\n"), "<|im_end|>", "\n")),
 }
 MARKED = [f for f, spec in FAMILIES.items() if spec[2] is not None]
 
@@ -89,9 +92,46 @@ def _make(maker: tuple, d):
         from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
 
         return make_gemma3_checkpoint(d)
+    if maker[0] == "qwen3_5":
+        from tests.hf_checkpoints import make_qwen3_5_checkpoint
+
+        return make_qwen3_5_checkpoint(d)
     from tests.hf_idefics3_checkpoint import make_idefics3_checkpoint
 
     return make_idefics3_checkpoint(d, maker[1], splitting=maker[2])
+
+
+def _qwen3_5_marked() -> str:
+    """Qwen3.5's template (tests/hf_checkpoints.QWEN3_5) with ``{% generation %}`` blocks around what an assistant
+    message writes after its generation-prompt cue: after ``<think>\\n`` on the turns after the last user turn
+    (the think block's rest, the answer, ``<|im_end|>``), after the role line on the earlier ones (the answer,
+    ``<|im_end|>``); the newline after the turn outside. It renders the same text (checked below)."""
+    from tests.hf_checkpoints import QWEN3_5
+
+    old = ("{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content + '\\n</think>\\n\\n' + content }}"
+           "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}")
+    new = ("{{- '<|im_start|>' + message.role + '\\n<think>\\n' }}{% generation %}"
+           "{{- reasoning_content + '\\n</think>\\n\\n' + content + '<|im_end|>' }}{% endgeneration %}"
+           "{%- else %}{{- '<|im_start|>' + message.role + '\\n' }}{% generation %}{{- content + '<|im_end|>' }}"
+           "{% endgeneration %}{%- endif %}{{- '\\n' }}")
+    assert QWEN3_5.count(old) == 1
+    return QWEN3_5.replace(old, new)
+
+
+def _qwen3_5_turns(processor) -> R.Derived:
+    """The assistant turns of the sample as HF's ``return_assistant_tokens_mask`` marks them on _qwen3_5_marked
+    (HF's processor ids; each run of marked positions one turn, the whitespace token after it its tail)."""
+    ids, positions = R.assistant_mask_positions(processor, R.messages(R.pil_images()), _qwen3_5_marked())
+    ids, runs = list(ids), []
+    for p in positions:
+        if runs and p == runs[-1][-1] + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    tok = processor.tokenizer
+    turns = [R.Turn(r[0], ids[r[0]:r[-1] + 1], [ids[r[-1] + 1]] if not tok.decode(ids[r[-1] + 1:r[-1] + 2]).strip()
+                    else []) for r in runs]
+    return R.Derived(ids, turns)
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +148,9 @@ def built(tmp_path_factory):
             ckpt = _make(maker, tmp_path_factory.mktemp(family))
             processor = R.hf_processor(ckpt, model_type)
             ids, labels = R.project_sample(ckpt)
-            cache[family] = SimpleNamespace(ckpt=ckpt, processor=processor, ids=ids, labels=labels,
-                                            derived=R.derive_turns(processor, R.messages(), R.pil_images()))
+            derived = _qwen3_5_turns(processor) if family == "qwen3_5" else \
+                R.derive_turns(processor, R.messages(), R.pil_images())
+            cache[family] = SimpleNamespace(ckpt=ckpt, processor=processor, ids=ids, labels=labels, derived=derived)
         return cache[family]
 
     return get
@@ -131,7 +172,8 @@ def test_trained_tokens_are_the_assistant_turns(built, family):
     assert int((np.asarray(d.ids) == image_id).sum()) > 2 * len(R.PICS)
     R.check_targets(b.ids, b.labels, d)  # the project's ids are the processor's; its targets the turns
     before, after, untrained = FAMILIES[family][3]
-    assert [_decode(b, t.ids) for t in d.turns] == [before + a + after for a in R.ANSWERS]
+    befores = before if isinstance(before, tuple) else (before,) * len(R.ANSWERS)  # per turn where they differ
+    assert [_decode(b, t.ids) for t in d.turns] == [x + a + after for x, a in zip(befores, R.ANSWERS)]
     assert [_decode(b, t.tail) for t in d.turns] == [untrained] * len(d.turns)
     # the untrained whitespace really is in the sample, right after each turn (merged into the next
     # token where the tokenizer merges it: LLaVA-1.5's ' ' + 'USER')
@@ -206,6 +248,21 @@ def test_llavas_own_generation_blocks(built):
     after = [t.start + len(t.ids) for t in derived.turns]
     assert set(derived.positions) <= mask and sorted(mask - set(derived.positions)) == after
     assert [_decode(b, [derived.ids[p]]) for p in after] == [" U", " U", " "]
+
+
+def test_qwen3_5_marked_renders_as_the_template_and_the_derivation_is_not_incremental(built):
+    """The marked copy renders every prefix as Qwen3.5's template does; the prefix derivation (derive_turns) cannot
+    serve it: the render up to the first answer with the generation prompt opens a think block the whole
+    conversation's render does not have there."""
+    b = built("qwen3_5")
+    tok, msgs, marked = b.processor.tokenizer, R.messages(), _qwen3_5_marked()
+    for i in range(2, len(msgs) + 1):  # every prefix holding a user turn (the template refuses the others)
+        for prompt in (False, True):
+            want = tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=prompt)
+            assert tok.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=prompt,
+                                           chat_template=marked) == want
+    with pytest.raises(AssertionError, match="turn 2: the answer does not start at a token boundary"):
+        R.derive_turns(b.processor, R.messages(), R.pil_images())
 
 
 # ------------------------------------------------------------------ 3. the check can fail

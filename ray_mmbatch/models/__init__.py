@@ -44,6 +44,7 @@ REGISTRY: dict[str, str] = {
     "internvl": "ray_mmbatch.models.internvl",
     "idefics3": "ray_mmbatch.models.idefics3",
     "llava_onevision": "ray_mmbatch.models.llava_onevision",
+    "qwen3_5": "ray_mmbatch.models.qwen3_5",
 }
 
 

@@ -8,11 +8,15 @@ which encodes it with special-token matching OFF -- exactly how the tokenizer wo
 ``tok(render)`` itself. Assistant turns are targets: each one's span runs from the end of
 ``render(messages[:i], add_generation_prompt=True)`` to the end of
 ``render(messages[:i+1])`` less trailing whitespace (answer + end-of-turn tokens); a token
-is a target when it starts in a span. Where the checkpoint's processor writes a block of text
-for each image the template writes (``TextConfig.image_block``, Gemma 3's blank lines and
+is a target when it starts in a span. A template that writes an earlier turn otherwise once
+the conversation goes on (Qwen3.5: the think block only after the last user turn) has that
+turn found in the whole render instead (``_history_span``: its text and end-of-turn token);
+the last turn must render incrementally. Where the checkpoint's processor writes a block of
+text for each image the template writes (``TextConfig.image_block``, Gemma 3's blank lines and
 begin / end tokens), every render has it in place before anything is split, so the ids are
 the processor's. Where the template trims a role's text parts (Gemma 3's ``| trim``), the data
-texts are trimmed the same way (``template_trims``).
+texts are trimmed the same way; where it trims a message's whole content (Qwen3.5's), only the
+message's first part's left and last part's right (``template_trims``).
 
 Renders depend only on a conversation's *shape* (roles, image/text parts; sentinels stand
 for text), so the layout is cached per shape and the prefix renders per shape prefix (a
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -50,8 +55,8 @@ def template_pieces(turns: list[tuple[str, str]], has_images: bool, train_on_pro
     """Same contract as plain.plain_pieces; a text stretch's target is an int or (char ends, flags) when mixed."""
     shape, texts = _shape(turns, has_images)
     if enc.trims:  # the template trims these roles' texts: the data must give the ids it gives
-        roles = [role for role, sig in shape for p in sig if p == "t"]
-        texts = [_trim(t, enc.trims.get(r)) for t, r in zip(texts, roles)]
+        where = [(role, j == 0, j == len(sig) - 1) for role, sig in shape for j, p in enumerate(sig) if p == "t"]
+        texts = [_trim(t, enc.trims.get(r), first, last) for t, (r, first, last) in zip(texts, where)]
     layout = enc.shapes.get(shape)
     if layout is None:
         if len(enc.shapes) >= _MAX_SHAPES:
@@ -109,10 +114,12 @@ def render_messages(tok, messages: list, generation_prompt: bool, image_block: t
     return out.replace(image_block[0], image_block[1]) if image_block else out
 
 
-def template_trims(tok) -> dict[str, tuple[bool, bool]]:
-    """{role: (strips the left, strips the right)} for the roles whose text parts the template trims.
+def template_trims(tok) -> dict[str, tuple[bool, bool, bool]]:
+    """{role: (strips the left, strips the right, the message's whole content only)} for the roles whose text the
+    template trims: each text part (Gemma 3's ``item['text'] | trim``), or the message's rendered content as a
+    whole (Qwen3.5's ``render_content(...) | trim``: only its first part's left and last part's right).
 
-    One render of a user and an assistant text surrounded by whitespace; a template that
+    One render of a user and an assistant text surrounded by whitespace, one of two texts each; a template that
     cannot render it trims nothing (its own errors surface when conversations are laid out).
     """
     from jinja2 import TemplateError
@@ -129,14 +136,26 @@ def template_trims(tok) -> dict[str, tuple[bool, bool]]:
         core = f"\ue000{k}\ue001"
         if core not in out or f"{pad}{core}{pad}" in out:
             continue
-        trims[role] = (f"{pad}{core}" not in out, f"{core}{pad}" not in out)
+        trims[role] = (f"{pad}{core}" not in out, f"{core}{pad}" not in out, False)
+    two = [{"role": role, "content": [{"type": "text", "text": f"{pad}\ue000{k}a\ue001{pad}"},
+                                      {"type": "text", "text": f"{pad}\ue000{k}b\ue001{pad}"}]}
+           for k, role in enumerate((USER, ASSISTANT))]
+    try:
+        out = render_messages(tok, two, False)
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError):
+        return trims
+    for k, role in enumerate((USER, ASSISTANT)):
+        if role in trims and f"\ue000{k}a\ue001{pad}{pad}\ue000{k}b\ue001" in out:
+            trims[role] = (*trims[role][:2], True)
     return trims
 
 
-def _trim(text: str, trim: tuple[bool, bool] | None) -> str:
+def _trim(text: str, trim: tuple[bool, bool, bool] | None, first: bool = True, last: bool = True) -> str:
+    """``text`` as the template trims it (template_trims); ``first`` / ``last``: it starts / ends its message."""
     if not trim:
         return text
-    left, right = trim
+    left, right, whole = trim
+    left, right = left and (first or not whole), right and (last or not whole)
     return text.strip() if left and right else text.lstrip() if left else text.rstrip() if right else text
 
 
@@ -160,6 +179,7 @@ def _layout(enc: DataEncoder, shape: tuple):
     try:
         nodes = _prefix_nodes(enc, shape)
         full, spans = nodes[-1].render(enc, messages, False), []
+        last = max((i for i, (role, _) in enumerate(shape) if role == ASSISTANT), default=-1)
         for i, (role, _) in enumerate(shape):
             if role != ASSISTANT:
                 continue
@@ -167,12 +187,16 @@ def _layout(enc: DataEncoder, shape: tuple):
                 return TextSkip(S.SKIP_MALFORMED_RECORD,
                                 "chat template: the conversation starts with an assistant turn")
             start, upto = nodes[i].render(enc, messages[:i], True), nodes[i + 1].render(enc, messages[:i + 1], False)
-            if not (full.startswith(start) and full.startswith(upto) and len(start) <= len(upto)):
+            if full.startswith(start) and full.startswith(upto) and len(start) <= len(upto):
+                spans.append((len(start), max(len(upto.rstrip()), len(start))))
+                continue
+            span = None if i == last else _history_span(full, start, upto, messages[i])
+            if span is None:
                 raise ChatTemplateError(
                     "chat template is not incremental: the render of the first messages with add_generation_prompt "
                     f"is not a prefix of the whole conversation's render (assistant turn {i} of {_describe(shape)}); "
                     "the answer spans cannot be found (use text.chat_template=plain)")
-            spans.append((len(start), max(len(upto.rstrip()), len(start))))
+            spans.append(span)
     except TemplateError as e:
         return TextSkip(S.SKIP_MALFORMED_RECORD, f"chat template: {e}")
     pieces = _SENTINEL.split(full)
@@ -210,6 +234,25 @@ def _layout(enc: DataEncoder, shape: tuple):
         raise ChatTemplateError(f"chat template writes {n_images} {enc.image_token!r} tokens for {want} images "
                                 f"({_describe(shape)}): set text.image_token to the token it writes per image")
     return items
+
+
+def _history_span(full: str, start: str, upto: str, message: dict) -> tuple[int, int] | None:
+    """An earlier assistant turn's span in the whole render ``full``, for a template that writes a turn otherwise
+    once the conversation goes on (Qwen3.5's: a think block only on the turns after the last user turn, so
+    ``start`` / ``upto`` -- the render up to the turn with the generation prompt / through it -- are not prefixes
+    of ``full``): from where ``start`` parts from ``full`` to the end of the turn's last text plus what the
+    template closes the turn with (``upto`` after that text, less trailing whitespace: ``<|im_end|>``). None
+    when ``full`` does not hold the turn so. The last assistant turn must be incremental (``_layout``): that is
+    the render the model continues at inference."""
+    texts = [c["text"] for c in message["content"] if c.get("type") == "text"]
+    if not texts or texts[-1] not in upto or texts[0] not in full:
+        return None
+    begin = len(os.path.commonprefix([start, full]))
+    first, end = full.index(texts[0]), full.index(texts[-1]) + len(texts[-1])
+    close = upto[upto.rindex(texts[-1]) + len(texts[-1]):].rstrip()
+    if begin > first or not full.startswith(close, end):
+        return None
+    return begin, end + len(close)
 
 
 class _Stretch:

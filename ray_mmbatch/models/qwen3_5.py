@@ -1,0 +1,159 @@
+"""Qwen3.5 backend (``qwen3_5`` dense, ``qwen3_5_moe``): checkpoint settings, the exact packed forward, export.
+
+Qwen3.5 is Qwen3-VL's vision side (16-pixel patches, 2 x 2 merge, a learned position grid, the Qwen2-VL image
+processor's smart resize) in front of a hybrid language model: Gated DeltaNet (linear attention) layers
+interleaved with gated full-attention layers (3 of every 4 layers linear in the published checkpoints), with
+interleaved M-RoPE over a quarter of each head. A packed batch is exact (tests/test_models_qwen3_5.py, against
+each sample alone through HF's forward) when:
+
+- the full-attention layers get what Qwen-VL's get (models/qwen_vl.py, the same adapter): row 0 of the
+  [4, 1, T] position ids restarting per sample (HF's block-diagonal mask; flash attention: the explicit
+  varlen kwargs) and rows 1-3 each sample's own ``get_rope_index``;
+- every Gated DeltaNet layer starts each sample from a zero recurrent state and an empty conv window
+  (models/deltanet.py): the adapter adds the row's cu_seqlens as ``deltanet.SEGMENTS``. HF's own packed forward
+  does not do this without the fla and causal-conv1d kernels (its torch fallbacks ignore the boundaries).
+
+Padded batches (right padding) are HF's own path: attention_mask + mm_token_type_ids; the DeltaNet layers are
+causal, so the padding after a sample changes nothing before it.
+
+MoE (``qwen3_5_moe``): the loss is the cross-entropy only. The router's load-balancing loss (HF adds
+``router_aux_loss_coef`` x it only with ``output_router_logits``, which this backend leaves off) is not added,
+packed or padded: a packed row would count the balance over all its samples' tokens together, a padded batch
+over rows with their padding masked, so neither would equal the per-sample sum, and exactness is stated on
+the CE. Train the router with the CE (or add the aux loss in your own loop, knowing it is per batch).
+
+Cost: that of Qwen-VL's adapter (one ``get_rope_index`` per packed sample with images) plus the DeltaNet
+segments (models/deltanet.py; benchmarks/bench_deltanet.py). ``configure`` reads two JSON files and the
+tokenizer. Importing this module imports no torch.
+"""
+from __future__ import annotations
+
+from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
+
+NAME = "qwen3_5"
+MODEL_TYPES: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe")
+
+# HF's Qwen3_5VisionConfig defaults, for keys a config.json leaves out
+_VISION_DEFAULTS = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
+
+
+def _vision_geometry(path: str, model_json: dict, processor: dict) -> dict[str, int]:
+    """patch / merge / temporal sizes from config.json's vision_config, which the image processor must agree with."""
+    vision = model_json.get("vision_config") or {}
+    geometry = {"patch_size": vision.get("patch_size"), "merge_size": vision.get("spatial_merge_size"),
+                "temporal_patch_size": vision.get("temporal_patch_size")}
+    for key, value in geometry.items():
+        value = geometry[key] = int(_VISION_DEFAULTS[key] if value is None else value)
+        if processor.get(key) is not None and int(processor[key]) != value:
+            raise ValueError(f"{path}: the image processor's {key}={processor[key]} disagrees with config.json "
+                             f"vision_config ({value}); the checkpoint is inconsistent")
+    return geometry
+
+
+def configure(cfg):
+    """Fill cfg's image / text settings from the checkpoint at cfg.model.path (see models/__init__.py).
+
+    As Qwen-VL's (models/qwen_vl.configure): smart resize, patch / merge / temporal sizes (config.json
+    vision_config), min / max pixels (the user's value wins) and mean / std from the image processor, the
+    tokenizer (the checkpoint's unless --tokenizer), the image token (config.json image_token_id). Video is not
+    taken for this family yet (a sample with video is skipped as for an image-only family). Idempotent.
+    """
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
+    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files
+    from ray_mmbatch.models.qwen_vl import (
+        _PROCESSOR_DEFAULTS,
+        _check_processor_steps,
+        _checkpoint_image_token,
+        _pixel_bounds,
+    )
+
+    path = cfg.model.path
+    if not path:
+        raise ValueError("the qwen3_5 backend needs model.path (--model): a local Qwen3.5 checkpoint directory")
+    model_json, processor = checkpoint_files(path)
+    model_type = model_json.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not a Qwen3.5 model {MODEL_TYPES}")
+    if not processor:
+        raise ValueError(f"{path}: no preprocessor_config.json (nor processor_config.json): the image "
+                         "processor's settings (pixel bounds, mean/std) are unknown; copy it from the base model")
+    _check_processor_steps(path, processor)
+    where_model, where_proc = f"{path}/config.json vision_config", f"{path} image processor"
+    adopt_setting(cfg, "image.resize", "smart", f"{path} ({model_type}: Qwen-VL dynamic resolution)")
+    for key, value in _vision_geometry(path, model_json, processor).items():
+        adopt_setting(cfg, f"image.{key}", value, f"{where_model} {key}")
+    lo, hi = _pixel_bounds(processor)
+    adopt_setting(cfg, "image.min_pixels", lo, f"{where_proc} min_pixels", user_may_override=True)
+    adopt_setting(cfg, "image.max_pixels", hi, f"{where_proc} max_pixels", user_may_override=True)
+    for key in ("image_mean", "image_std"):
+        adopt_setting(cfg, f"image.{key}", processor.get(key, _PROCESSOR_DEFAULTS[key]), f"{where_proc} {key}")
+
+    image_token_id = int(model_json.get("image_token_id", -1))
+    if image_token_id < 0:
+        raise ValueError(f"{path}/config.json has no image_token_id")
+    adopt_setting(cfg, "text.image_token", _checkpoint_image_token(path, image_token_id),
+                  f"{path} tokenizer, token id {image_token_id} (config.json image_token_id)")
+    if not cfg.text.tokenizer:
+        cfg.text.tokenizer = path
+    tok = load_tokenizer(cfg.text.tokenizer)
+    got = tok.convert_tokens_to_ids(cfg.text.image_token)
+    if got != image_token_id:
+        raise ValueError(f"--tokenizer {cfg.text.tokenizer}: its {cfg.text.image_token} is id {got}, but the model's "
+                         f"image_token_id is {image_token_id} ({path}/config.json); use the checkpoint's tokenizer")
+    vocab = int((model_json.get("text_config") or model_json).get("vocab_size", 0))
+    if vocab and len(tok) > vocab:
+        raise ValueError(f"tokenizer {cfg.text.tokenizer} has {len(tok)} tokens but the model embeds {vocab}")
+    return cfg
+
+
+def _adapter_class():
+    from ray_mmbatch.models.deltanet import SEGMENTS
+    from ray_mmbatch.models.qwen_vl import QwenAdapter
+
+    class Qwen35Adapter(QwenAdapter):
+        """Qwen-VL's adapter (M-RoPE ids per packed sample, varlen kwargs on flash attention) plus, in pack mode,
+        the row's sample boundaries for the Gated DeltaNet layers (models/deltanet.py)."""
+
+        def __call__(self, batch: dict):
+            kwargs = super().__call__(batch)
+            if batch["mode"] == "pack":
+                cu = batch["cu_seqlens"]
+                kwargs[SEGMENTS] = tuple(int(c) for c in (cu.tolist() if hasattr(cu, "tolist") else cu))
+            return kwargs
+
+    return Qwen35Adapter
+
+
+def _vision_modules(hf_model) -> list:
+    return [hf_model.model.visual]
+
+
+def vision_modules(model) -> list:
+    """The vision tower of the HFModel: a batch without images does not run it."""
+    return _vision_modules(model.hf_model)
+
+
+fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
+
+
+def create_model(cfg, ids: dict):
+    """The checkpoint's Qwen3_5(Moe)ForConditionalGeneration in HFModel, its DeltaNet layers segment-aware."""
+    from ray_mmbatch.models import deltanet
+    from ray_mmbatch.models.hf_common import load_checked, wrap
+
+    hf = load_checked(cfg, ids, hint="run configure(cfg) with the checkpoint's tokenizer")
+    vision = hf.config.vision_config
+    for key, want in (("patch_size", vision.patch_size), ("merge_size", vision.spatial_merge_size),
+                      ("temporal_patch_size", vision.temporal_patch_size)):
+        if getattr(cfg.image, key) != want:
+            raise ValueError(f"image.{key} is {getattr(cfg.image, key)} but the model's is {want}: "
+                             "call configure(cfg) before create_model")
+    hf.config.use_cache = False
+    if not deltanet.install(hf):
+        raise ValueError(f"{cfg.model.path}: no Gated DeltaNet layer found in {type(hf).__name__}")
+    adapter = _adapter_class()(hf.model, hf.config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
+                               cfg.image.temporal_patch_size)
+    return wrap(hf, cfg, adapter, _vision_modules, NAME)
+
+
+export = hf_export  # save_pretrained of model + tokenizer, the processor files copied
