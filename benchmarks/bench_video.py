@@ -46,6 +46,11 @@ attention needs a GPU), so pack pays attention over the whole row; a pad row att
 
     python benchmarks/bench_video.py --part decode [--clips 24 --seconds 10 --fps 30 --size 224x320 --gop 30]
     python benchmarks/bench_video.py --part train [--samples 48 --max-tokens 2048 --max-frames 64 --batch-size 4]
+    python benchmarks/bench_video.py --part sample [--clips 8 --containers mp4,webm,mkv]
+
+``--part sample`` (issue 44: a clip probed once per sample): per clip and container, the pipeline's own
+measure_batch (the probe) and materialize_sample (the decode) on a one-video sample, best of ``--repeat``, the
+containers interleaved, pinned to one core.
 
 Figures and the exact commands: benchmarks/RESULTS.md ("## Video (issue 37)").
 """
@@ -66,7 +71,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from ray_mmbatch import schema as S  # noqa: E402
 from ray_mmbatch.config import Config  # noqa: E402
 from ray_mmbatch.data.video import (  # noqa: E402
-    _decode_sampled,
+    decode_sampled,
     decode_video,
     patchify_video,
     plan_video,
@@ -229,7 +234,7 @@ def part_decode(args, tmp: str) -> dict:
         plan = plan_video(data, cfg)
         plans.append(plan)
         sampled[k] = plan.frames
-        got, decoded["sampled"][k] = _decode_sampled(data, plan.indices, plan.header.frames)
+        got, decoded["sampled"][k], _ = decode_sampled(data, plan)
         raw.append(np.stack(got))
         ref = decode_ours(data, plan, cfg)
         for fn, p in ((decode_hf_pyav, "hf_pyav"), (decode_all, "all_frames")):
@@ -433,9 +438,54 @@ def part_train(args, tmp: str) -> dict:
     return out
 
 
+def part_sample(args, tmp: str) -> dict:
+    """Per clip and container: measure_batch (the probe: cost before decode) and materialize_sample (the decode),
+    the same functions the pipeline runs, one video sample per call; best of --repeat, containers interleaved."""
+    from ray_mmbatch.data.materialize import materialize_sample
+    from ray_mmbatch.data.measure import measure_batch
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer
+
+    core = pin_one_cpu(args.cpu)
+    cfg = configured(tiny_checkpoint(os.path.join(tmp, "ckpt")))
+    tok = load_tokenizer(cfg.text.tokenizer)
+    h, w = (int(x) for x in args.size.split("x"))
+    n = int(round(args.seconds * args.fps))
+    containers = args.containers.split(",")
+    clips = {c: [encode_clip(clip_frames(n, h, w, seed=args.seed + i), fps=args.fps, gop=args.gop, container=c)
+                 for i in range(args.clips)] for c in containers}
+    conv = json.dumps([{"from": "human", "value": "<video>\nWhat happens?"}, {"from": "gpt", "value": "A clip."}])
+    best = {c: {"measure": [float("inf")] * args.clips, "materialize": [float("inf")] * args.clips}
+            for c in containers}
+    for _ in range(args.repeat):
+        for i in range(args.clips):
+            for c in containers:
+                raw = {S.SAMPLE_ID: [f"{c}{i}"], S.CONVERSATIONS: [conv], S.IMAGES: [[clips[c][i]]],
+                       S.IMAGE_REFS: [[""]], S.READ_ERROR: [""]}
+                t0 = time.perf_counter()
+                measured = measure_batch(raw, cfg.image, tok, cfg.text)
+                t1 = time.perf_counter()
+                assert not measured[S.SKIP_REASON][0], measured[S.SKIP_REASON][0]
+                materialize_sample({k: v[0] for k, v in measured.items()}, cfg.image)
+                t2 = time.perf_counter()
+                best[c]["measure"][i] = min(best[c]["measure"][i], t1 - t0)
+                best[c]["materialize"][i] = min(best[c]["materialize"][i], t2 - t1)
+    out = {"part": "sample", "core": core, "clips": args.clips, "frames": n, "size": args.size, "gop": args.gop,
+           "per_clip_ms": {}}
+    print(f"{args.clips} clips per container, {n} frames {h}x{w} at {args.fps} fps, GOP {args.gop}; best of "
+          f"{args.repeat}, one core")
+    print("| container | MB / clip | measure ms / clip | materialize ms / clip | sum |")
+    print("|---|---:|---:|---:|---:|")
+    for c in containers:
+        m, d = (1000 * float(np.mean(best[c][k])) for k in ("measure", "materialize"))
+        mb = float(np.mean([len(b) for b in clips[c]])) / 1e6
+        out["per_clip_ms"][c] = {"measure": m, "materialize": d, "mb": mb}
+        print(f"| {c} | {mb:.3f} | {m:.2f} | {d:.2f} | {m + d:.2f} |")
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("decode", "train"), required=True)
+    ap.add_argument("--part", choices=("decode", "train", "sample"), required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the result here too")
     d = ap.add_argument_group("decode")
@@ -451,6 +501,7 @@ def main(argv=None) -> dict:
                    help="Gaussian noise (grey levels) on the drawn frames before encoding: a camera-like bit rate")
     d.add_argument("--repeat", type=int, default=3, help="best of this many runs per clip and path")
     d.add_argument("--cpu", type=int, default=None, help="the core to pin to (default: the last allowed)")
+    d.add_argument("--containers", default="mp4,webm,mkv", help="--part sample: the containers, interleaved")
     t = ap.add_argument_group("train")
     t.add_argument("--samples", type=int, default=48)
     t.add_argument("--max-tokens", type=int, default=2048)
@@ -463,7 +514,7 @@ def main(argv=None) -> dict:
     t.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_video_") as tmp:
-        out = (part_decode if args.part == "decode" else part_train)(args, tmp)
+        out = {"decode": part_decode, "train": part_train, "sample": part_sample}[args.part](args, tmp)
     print(json.dumps(out))
     if args.json:
         with open(args.json, "w") as f:

@@ -127,6 +127,12 @@ class ImageConfig:
     """Per-channel mean for video pixels (the video processor's ``image_mean``); () = image_mean."""
     video_std: tuple[float, ...] = ()
     """Per-channel std for video pixels; () = image_std."""
+    video_loader: str = flag("--video-loader", "torchcodec")
+    """Which of HF's video loaders a clip is read as (frames are counted as the decoder outputs them in both):
+    'torchcodec' (HF's video processors' default for a path, transformers.video_processing_utils.fetch_videos):
+    frames turned to their display rotation (a phone's portrait clip stands upright), the rate = frames over the
+    clip's span; 'pyav' (transformers.video_utils.load_video's default backend): frames as coded, the header's
+    average rate. docs/data.md 'Which loader a clip is read as'."""
 
     @property
     def factor(self) -> int:

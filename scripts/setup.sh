@@ -5,7 +5,7 @@
 # normal PyPI torch is used. Set TORCH_SPEC="torch==X.Y" to choose yourself.
 # --reference also makes .venv-ref: the interpreter the video tests run HF's video processors in
 # (they need torchvision, which does not load beside the CPU torch: PyPI's torch 2.14.1 + torchvision
-# 0.29.1, this transformers, PyAV; tests/video_reference.py). Kept apart so that the project's own
+# 0.29.1, torchcodec 0.17.0, this transformers, PyAV; tests/video_reference.py). Kept apart so that the project's own
 # environment stays what a user installs.
 set -euo pipefail
 REFERENCE=0
@@ -37,5 +37,8 @@ if [ "$REFERENCE" = 1 ]; then
   .venv-ref/bin/python -c "import torchvision, transformers, av; assert transformers.__version__ == '$TRANSFORMERS'" \
     >/dev/null 2>&1 || .venv-ref/bin/python -m pip install -q "torch==2.14.1" "torchvision==0.29.1" \
     "transformers==$TRANSFORMERS" av pillow numpy
+  # torchcodec: HF's video processors decode a path with it (tests/video_reference.py runs it on PyAV's FFmpeg)
+  .venv-ref/bin/python -c "import torchcodec" >/dev/null 2>&1 || .venv-ref/bin/python -m pip install -q \
+    "torchcodec==0.17.0"
   .venv-ref/bin/python -c "import torch, torchvision; print('reference ok: torch', torch.__version__, 'torchvision', torchvision.__version__)"
 fi

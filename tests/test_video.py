@@ -11,6 +11,8 @@ where they fail.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import os
 import subprocess
@@ -31,8 +33,9 @@ from ray_mmbatch.data.measure import VideoRefused, measure_batch, qwen3_frame_bl
 from ray_mmbatch.data.text.tokenizer import load_tokenizer
 from ray_mmbatch.data.video import (
     VideoSkip,
-    _decode_sampled,
     _torch_float_arange_int,
+    container_rotation,
+    decode_sampled,
     decode_video,
     is_video,
     patchify_video,
@@ -73,7 +76,57 @@ def _clips() -> dict[str, bytes]:
         "thin": encode_clip(clip_frames(10, 16, 192, 7), fps=5),
         "one_frame": encode_clip(clip_frames(1, 48, 48, 8), fps=1),
         "long_gop": encode_clip(clip_frames(96, 32, 32, 9), fps=24, gop=8),
+        # cut as `ffmpeg -ss 1.7 -c copy` cuts (remux_trimmed below): an edit list drops the 9 leading
+        # frames the decoder decodes from the keyframe before the cut (the header still counts them)
+        "trimmed_mp4": remux_trimmed(encode_clip(clip_frames(40, 32, 48, 12), fps=10, gop=12, bframes=2), 17),
+        "trimmed_mov": remux_trimmed(encode_clip(clip_frames(30, 48, 32, 13), fps=10, gop=10, bframes=2), 13,
+                                     "mov"),
+        "open_gop": encode_open_gop(clip_frames(40, 32, 48, 14)),
+        "rotated_mkv": encode_clip(np.rot90(clip_frames(12, 64, 32, 15), k=-1, axes=(1, 2)), fps=6, rotation=90,
+                                   container="mkv"),
+        "rotated_mov": encode_clip(np.rot90(clip_frames(12, 32, 64, 16), k=2, axes=(1, 2)), fps=6, rotation=180,
+                                   container="mov", codec="libx264"),
     }
+
+
+def remux_trimmed(data: bytes, start_frame: int, container: str = "mp4", first_packet: int | None = None) -> bytes:
+    """The clip from ``start_frame`` on, remuxed without re-encoding as ``ffmpeg -ss T -c copy`` does: from the
+    keyframe before the cut, the packets before it at negative times (mp4 / mov write them as an edit list the
+    decoder drops them by; Matroska shifts every time to start at 0 and keeps them). ``first_packet``: start at
+    that packet (decode order) instead, keyframe or not, times kept (a cutter that ignores GOPs)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as src:
+        stream = src.streams.video[0]
+        packets = [p for p in src.demux(stream) if p.size]
+        cut = sorted(p.pts for p in packets)[start_frame]
+        key = max(p.pts for p in packets if p.is_keyframe and p.pts <= cut)
+        first = next(i for i, p in enumerate(packets) if p.pts == key) if first_packet is None else first_packet
+        shift = cut if first_packet is None else 0
+        buf = io.BytesIO()
+        with av.open(buf, "w", format={"mkv": "matroska"}.get(container, container)) as out:
+            o = out.add_stream_from_template(stream)
+            for p in packets[first:]:
+                p.pts, p.dts, p.stream = p.pts - shift, p.dts - shift, o
+                out.mux(p)
+    return buf.getvalue()
+
+
+def encode_open_gop(frames: np.ndarray, fps: int = 10, gop: int = 8) -> bytes:
+    """H.264 with open GOPs (x264 open-gop: each GOP's leading B-frames reference the GOP before)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        s = out.add_stream("libx264", rate=fps)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        s.options = {"x264-params": f"open-gop=1:keyint={gop}:min-keyint={gop}:scenecut=0:bframes=3:b-pyramid=0"}
+        for rgb in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
+                out.mux(p)
+        for p in s.encode():
+            out.mux(p)
+    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +135,7 @@ def clips(tmp_path_factory) -> SimpleNamespace:
     data = _clips()
     paths = {}
     for name, b in data.items():
-        paths[name] = d / f"{name}.{'webm' if 'webm' in name else 'mkv' if 'mkv' in name else 'mp4'}"
+        paths[name] = d / f"{name}.{next((e for e in ('webm', 'mkv', 'mov') if e in name), 'mp4')}"
         paths[name].write_bytes(b)
     return SimpleNamespace(data=data, paths=paths, dir=d)
 
@@ -204,8 +257,9 @@ def test_a_published_qwen_checkpoint_samples_video_as_qwen_vl_utils_exactly_as_h
 
 
 def test_sampler_edge_cases_equal_hf_or_are_refused_as_hf_refuses_them(clips, tmp_path):
-    """Qwen3-VL asked for more frames than a clip holds: np.linspace repeats indices and HF's PyAV loader yields
-    each of those frames once (was skipped as empty_video): frames, grid and pixels equal HF's. Qwen2-VL settings
+    """Qwen3-VL asked for more frames than a clip holds: np.linspace repeats indices; HF's torchcodec path (the
+    default loader) takes such a frame as often as asked, its PyAV loader once: frames, grid and pixels equal HF's
+    with either loader. Qwen2-VL settings
     with which HF's sampler divides by zero (num_frames 1 at temporal patch 2, max_frames below one patch) are
     refused, named."""
     ckpt = make_qwen_checkpoint(tmp_path / "q3", "qwen3_vl")
@@ -214,15 +268,22 @@ def test_sampler_edge_cases_equal_hf_or_are_refused_as_hf_refuses_them(clips, tm
     cfg = Config()
     cfg.model.path = str(ckpt)
     im = qwen_vl.configure(cfg).image
-    plan = plan_video(clips.data["h264_mkv"], im)  # 15 frames, 20 asked
-    assert plan.indices.tolist() == sorted(set(np.linspace(0, 14, 20).round().astype(int).tolist()))
-    (tmp_path / "ref").mkdir()
-    ref = _run_reference(ckpt, {"h264_mkv": clips.paths["h264_mkv"]}, tmp_path / "ref")
-    assert plan.indices.tolist() == np.unique(ref["h264_mkv/indices"]).tolist()  # HF's loader: each frame once
-    assert [list(plan.grid)] == ref["h264_mkv/grid"].tolist()
-    ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data["h264_mkv"], plan, im),
-                                                                   im)), im.video_mean, im.video_std).numpy()
-    assert np.array_equal(ours, ref["h264_mkv/pixels"])
+    for loader, name in (("torchcodec", "h264_mkv"), ("pyav", "rotated")):  # HF's PyAV loader reads no mkv count
+        cfg = Config()
+        cfg.model.path, cfg.image.video_loader = str(ckpt), loader
+        im = qwen_vl.configure(cfg).image
+        plan = plan_video(clips.data[name], im)  # 15 / 12 frames, 20 asked
+        asked = np.linspace(0, plan.header.frames - 1, 20).round().astype(int)
+        # torchcodec repeats a frame asked for twice, HF's PyAV loader yields it once
+        assert plan.indices.tolist() == (asked.tolist() if loader == "torchcodec" else np.unique(asked).tolist())
+        (tmp_path / loader).mkdir()
+        ref = _run_reference(ckpt, {name: clips.paths[name]}, tmp_path / loader, loader=loader)
+        theirs = ref[f"{name}/indices"] if loader == "torchcodec" else np.unique(ref[f"{name}/indices"])
+        assert plan.indices.tolist() == theirs.tolist(), loader
+        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist(), loader
+        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im),
+                                                                       im)), im.video_mean, im.video_std).numpy()
+        assert np.array_equal(ours, ref[f"{name}/pixels"]), loader
     q2 = make_qwen_checkpoint(tmp_path / "q2", "qwen2_vl")
     (q2 / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen2_vl"]))
     for key, value, message in (("video_num_frames", 1, r"video_num_frames = 1 .* rounds to 0 frames"),
@@ -316,8 +377,6 @@ def test_the_checks_would_catch_a_wrong_frame_or_rotation(clips, family, referen
                               theirs)
     rot = plan_video(clips.data["rotated"], cfg)
     assert (rot.header.rotation, rot.header.height, rot.header.width) == (90, 64, 32)
-    import dataclasses
-
     unturned = dataclasses.replace(rot, header=dataclasses.replace(rot.header, rotation=0))  # same grid, coded frames
     ours = patchify_video(decode_video(clips.data["rotated"], unturned, cfg), cfg)
     theirs = reference["rotated/pixels"]
@@ -340,12 +399,87 @@ def test_only_the_gops_holding_sampled_frames_are_decoded(clips, family):
 
     data = clips.data["long_gop"]
     indices = np.array([5, 30, 62, 90])
-    frames, decoded = _decode_sampled(data, indices, 96)
-    assert decoded <= 4 * 8 < 96
+    full = plan_video(data, family.cfg.image)
+    plan = dataclasses.replace(full, indices=indices, pts=full.header.pts[indices], seek=full.header.seek[indices])
+    frames, decoded, sequential = decode_sampled(data, plan)
+    assert decoded <= 4 * 8 < 96 and not sequential
     with av.open(str(clips.paths["long_gop"])) as c:
         every = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
     for i, f in zip(indices, frames):
         assert np.array_equal(f, every[i])
+
+
+def _decoded(data: bytes) -> list[np.ndarray]:
+    """Every frame PyAV's decoder outputs, in order: what HF's PyAV loader indexes (enumerate(decode))."""
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        return [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+
+
+def test_frames_are_counted_and_indexed_as_the_decoder_outputs_them(clips):
+    """Edit lists (a clip cut with ffmpeg -ss -c copy), B-frame reorder, open GOPs, uneven and negative
+    timestamps: the frame count is what PyAV's decoder outputs, and frame i -- decoded alone, by seeking to its
+    keyframe -- is the decoder's i-th frame. A cut that keeps an open GOP's broken leading frames (Matroska, no
+    edit list) or starts between keyframes is counted by decoding it and read in order (the seek table is not
+    what the decoder does there). Was: the header's count, frame i the i-th packet time: the trimmed clips
+    skipped as corrupt_video or off by the dropped frames."""
+    import av
+
+    cfg = Config().image
+    cfg.video, cfg.video_sample_frames = "qwen2_vl", False
+    cut_open_gop = remux_trimmed(clips.data["open_gop"], 17, "mkv")  # starts at an open GOP's I-frame
+    mid_gop = remux_trimmed(clips.data["open_gop"], 0, "mkv", first_packet=3)  # starts between keyframes
+    cases = {**{k: clips.data[k] for k in ("trimmed_mp4", "trimmed_mov", "open_gop", "h264_bframes", "vfr",
+                                           "vp9_webm", "h264_mkv")}, "cut_open_gop": cut_open_gop, "mid_gop": mid_gop}
+    for name, data in cases.items():
+        every, plan = _decoded(data), plan_video(data, cfg)
+        assert plan.header.frames == len(every), name
+        got = decode_sampled(data, plan)
+        assert got.sequential == (name in ("cut_open_gop", "mid_gop")), name
+        assert all(np.array_equal(a, b) for a, b in zip(got.frames, every, strict=True)), name
+        if got.sequential:
+            continue
+        for i in range(len(every)):  # each frame alone: one seek, the GOP up to it
+            alone = dataclasses.replace(plan, indices=plan.indices[[i]], pts=plan.pts[[i]], seek=plan.seek[[i]])
+            one = decode_sampled(data, alone)
+            assert not one.sequential and np.array_equal(one.frames[0], every[i]), (name, i)
+    with av.open(io.BytesIO(clips.data["trimmed_mp4"])) as c:
+        assert c.streams.video[0].frames == 32  # the header counts the 9 packets the edit list drops
+    assert plan_video(clips.data["trimmed_mp4"], cfg).header.frames == 23 == 40 - 17
+    assert len(_decoded(cut_open_gop)) < sum(1 for _ in av.open(io.BytesIO(cut_open_gop)).demux(video=0)) - 1
+
+
+def test_rotation_is_read_from_mp4_mov_and_matroska_and_the_pyav_loader_leaves_it(clips, tmp_path):
+    """The display rotation comes from the container as FFmpeg reports it on the decoded frames (mp4 / mov tkhd,
+    Matroska Projection); --video-loader pyav reads the clip as HF's load_video default (PyAV) does: frames as
+    coded, the header's rate -- indices, grid and pixels equal HF's own PyAV loader + processor."""
+    import av
+
+    for name, want in (("rotated", 90), ("rotated_mkv", 90), ("rotated_mov", 180), ("h264_mkv", 0), ("vp9_webm", 0)):
+        assert container_rotation(clips.data[name]) == want, name
+        with av.open(io.BytesIO(clips.data[name])) as c:
+            assert int(next(c.decode(video=0)).rotation or 0) % 360 == want, name
+    ckpt = make_qwen_checkpoint(tmp_path / "q2", "qwen2_vl")
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen2_vl"]))
+    cfg = Config()
+    cfg.model.path, cfg.image.video_loader = str(ckpt), "pyav"
+    im = qwen_vl.configure(cfg).image
+    names = ("rotated", "rotated_mov", "h264_bframes")
+    (tmp_path / "ref").mkdir()
+    ref = _run_reference(ckpt, {k: clips.paths[k] for k in names}, tmp_path / "ref", loader="pyav")
+    for name in names:
+        plan = plan_video(clips.data[name], im)
+        assert plan.header.rotation == 0 and plan.header.fps == float(ref[f"{name}/fps"]), name
+        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist(), name
+        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im),
+                                                                       im)), im.video_mean, im.video_std).numpy()
+        assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+    cfg = Config()
+    cfg.model.path, cfg.image.video_loader = str(ckpt), "decord"
+    with pytest.raises(ValueError, match=r"--video-loader 'decord': one of torchcodec, pyav"):
+        qwen_vl.configure(cfg)
 
 
 def test_is_video_tells_containers_from_images(clips):
@@ -385,7 +519,7 @@ def test_bad_clips_are_skipped_with_their_reason(clips, family):
 
 def test_a_family_without_video_refuses_a_video_sample(clips):
     cfg = Config()  # the built-in model: images only
-    tok = load_tokenizer("")
+    tok = load_tokenizer(qwen2.cfg.text.tokenizer)
     raw = {S.SAMPLE_ID: ["v"], S.CONVERSATIONS: [json.dumps([{"from": "human", "value": "<video>\nWhat?"},
                                                               {"from": "gpt", "value": "A clip."}])],
            S.IMAGES: [[clips.data["vfr"]]], S.IMAGE_REFS: [["clips/vfr.mp4"]], S.READ_ERROR: [""]}

@@ -1,69 +1,79 @@
-"""HF's own video path on clips, for tests/test_video.py: run by the REFERENCE interpreter (torchvision).
+"""HF's own video path on clips, for tests/test_video.py: run by the REFERENCE interpreter (torchvision, torchcodec).
 
     <reference python> tests/video_reference.py SPEC.json OUT.npz
 
-SPEC: {"checkpoint": dir, "clips": {name: path}}. For every clip, what HF does with it:
+SPEC: {"checkpoint": dir, "clips": {name: path}, "loader": "torchcodec" | "pyav"}. For every clip, what HF does:
 
-* the frames: HF's PyAV loader (``transformers.video_utils.read_video_pyav``) with the checkpoint's
-  video processor's own ``sample_frames`` as the sampling function (or every frame when the processor
-  does not sample), so the indices and the decoded RGB are HF's; the frames are then turned by the
-  rotation PyAV reports on the decoded frame (HF's loader leaves them coded; the project shows them
-  as displayed, docs/data.md says so);
+* the frames: HF's own loader, ``transformers.video_utils.load_video(path, backend=loader)`` with the checkpoint's
+  video processor's ``sample_frames`` as the sampling function (or every frame when the processor does not
+  sample). loader 'torchcodec' (the default) is what HF's video processors call for a path
+  (``fetch_videos``): frames counted and indexed as its exact scan finds them, turned to their display rotation,
+  the rate = frames over the scanned span; 'pyav' is ``load_video``'s own default (``read_video_pyav``): frames
+  as coded, the header's count and average rate. Indices, rotation and rate are HF's loader's, never this
+  script's;
 * the processor: ``AutoVideoProcessor.from_pretrained(checkpoint)`` on those frames with
   ``do_sample_frames=False``: ``pixel_values_videos``, ``video_grid_thw``; for Qwen2VLVideoProcessor, the
-  ``second_per_grid_ts`` that Qwen2_5_VLProcessor._process_videos (HF's own code, on the clip's
-  VideoMetadata with the sampled indices) gives it.
+  ``second_per_grid_ts`` that Qwen2_5_VLProcessor._process_videos (HF's own code, on the loader's
+  VideoMetadata) gives it.
 
-Containers that store no frame count (webm / mkv: PyAV reads 0, and HF's loader then samples nothing)
-get the decoded frame count as ``total_num_frames``; the project counts their packets.
+torchcodec runs on PyAV's own FFmpeg build (its libraries, linked under their plain names in
+``<reference venv>/ffmpeg-libs``; the script re-executes itself with them on LD_LIBRARY_PATH), so both loaders
+decode with the FFmpeg the project's PyAV decodes with, and no system FFmpeg is needed.
 A clip with fewer frames than temporal_patch_size makes Qwen2-VL's fps sampler divide by zero (it is then
 taken whole, as the project does, docs/data.md; ``<name>/hf_failed`` = "sampler") and Qwen3-VL's resize
 raise (``hf_failed`` = "processor: ...", no pixels). Qwen3-VL clips also get ``<name>/text``: the
 processor's timestamped video text (Qwen3VLProcessor.replace_video_token).
-Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``.
+Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``,
+``<name>/total`` and ``<name>/fps`` (the loader's VideoMetadata).
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
 import av
 import numpy as np
 from transformers import AutoVideoProcessor
-from transformers.video_utils import VideoMetadata
+from transformers.video_utils import VideoMetadata, load_video
 
 
-def _frames(path: str, processor) -> tuple[np.ndarray, np.ndarray, VideoMetadata, bool]:
-    with av.open(path) as c:
-        s = c.streams.video[0]
-        total, fps = int(s.frames), float(s.average_rate)
-    if total == 0:
-        with av.open(path) as c:
-            total = sum(1 for _ in c.decode(video=0))
-    meta = VideoMetadata(total_num_frames=total, fps=fps, duration=total / fps)
-    fell_back = False
-    if getattr(processor, "do_sample_frames", False):
+def _with_pyav_ffmpeg() -> None:
+    """Re-execute with PyAV's FFmpeg libraries where torchcodec's loader finds them (plain sonames)."""
+    if os.environ.get("RAY_MMBATCH_REFERENCE_FFMPEG"):
+        return
+    libs = os.path.join(os.path.dirname(av.__file__), os.pardir, "av.libs")
+    libs = os.path.realpath(libs)
+    linked = os.path.join(sys.prefix, "ffmpeg-libs")
+    os.makedirs(linked, exist_ok=True)
+    for name in os.listdir(libs):  # libavcodec-5e6b81c2.so.62.28.102 -> libavcodec.so.62
+        stem, _, version = name.partition(".so.")
+        if stem.split("-")[0] in ("libavcodec", "libavdevice", "libavfilter", "libavformat", "libavutil",
+                                  "libswresample", "libswscale"):
+            target = os.path.join(linked, f"{stem.split('-')[0]}.so.{version.split('.')[0]}")
+            if not os.path.exists(target):
+                os.symlink(os.path.join(libs, name), target)
+    env = dict(os.environ, RAY_MMBATCH_REFERENCE_FFMPEG="1",
+               LD_LIBRARY_PATH=os.pathsep.join(p for p in (linked, libs, os.environ.get("LD_LIBRARY_PATH")) if p))
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def _frames(path: str, processor, loader: str):
+    """(frames as HF's loader returns them, indices, VideoMetadata, sampler fell back) of one clip."""
+    fell_back = []
+
+    def sample(metadata, **kwargs):
+        if not getattr(processor, "do_sample_frames", False):
+            return np.arange(metadata.total_num_frames)
         try:
-            indices = np.asarray(processor.sample_frames(meta), dtype=np.int64)
+            return np.asarray(processor.sample_frames(metadata), dtype=np.int64)
         except ZeroDivisionError:  # fewer frames than temporal_patch_size: HF samples 0 and divides by it
-            indices, fell_back = np.arange(total, dtype=np.int64), True
-    else:
-        indices = np.arange(total, dtype=np.int64)
-    # HF's read_video_pyav, with those indices: decode in order, keep the i-th frames
-    frames, rotation = [], 0
-    with av.open(path) as c:
-        for i, frame in enumerate(c.decode(video=0)):
-            if i > indices[-1]:
-                break
-            if i in indices:
-                frames.append(frame.to_ndarray(format="rgb24"))
-                rotation = int(frame.rotation or 0)
-    video = np.stack(frames)
-    if rotation % 360:
-        video = np.rot90(video, k=(rotation // 90) % 4, axes=(1, 2))
-    meta.frames_indices = [int(i) for i in indices]
-    return np.ascontiguousarray(video), indices, meta, fell_back
+            fell_back.append(True)
+            return np.arange(metadata.total_num_frames)
+
+    video, meta = load_video(path, backend=loader, sample_indices_fn=sample)
+    return video, np.asarray(meta.frames_indices, dtype=np.int64), meta, bool(fell_back)
 
 
 def _second_per_grid(processor, video: np.ndarray, meta: VideoMetadata, **kwargs) -> np.ndarray:
@@ -90,16 +100,19 @@ def _qwen3_text(processor, grid, indices, fps: float) -> str:
 
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
+    loader = spec.get("loader", "torchcodec")
     processor = AutoVideoProcessor.from_pretrained(spec["checkpoint"])
     qwen3 = type(processor).__name__ == "Qwen3VLVideoProcessor"
     out = {}
     for name, path in spec["clips"].items():
         try:
-            video, indices, meta, fell_back = _frames(path, processor)
-        except ValueError as e:  # HF's default sampler refuses a clip shorter than the frames it asks for
-            out[f"{name}/hf_failed"] = np.array(f"refused: {e}")
+            video, indices, meta, fell_back = _frames(path, processor, loader)
+        except (ValueError, RuntimeError, IndexError) as e:  # HF's sampler refuses, or its loader fails
+            out[f"{name}/hf_failed"] = np.array(f"refused: {type(e).__name__}: {e}")
             continue
         out[f"{name}/indices"] = indices
+        out[f"{name}/total"] = np.array(int(meta.total_num_frames))
+        out[f"{name}/fps"] = np.array(float(meta.fps))
         out[f"{name}/hf_failed"] = np.array("sampler" if fell_back else "")
         cap = ({"cap_pixels_per_frame": bool(spec.get("cap_pixels_per_frame", False))}
                if hasattr(processor, "cap_pixels_per_frame") else {})
@@ -123,11 +136,10 @@ def main(spec_path: str, out_path: str) -> None:
         if type(processor).__name__ == "Qwen2VLVideoProcessor":  # Qwen2-VL / 2.5-VL (Qwen3-VL writes timestamps)
             out[f"{name}/second_per_grid"] = _second_per_grid(processor, video, meta, **cap)
         if qwen3:
-            with av.open(path) as c:
-                fps = float(c.streams.video[0].average_rate)
-            out[f"{name}/text"] = np.array(_qwen3_text(processor, got["video_grid_thw"], indices, fps))
+            out[f"{name}/text"] = np.array(_qwen3_text(processor, got["video_grid_thw"], indices, float(meta.fps)))
     np.savez(out_path, **out)
 
 
 if __name__ == "__main__":
+    _with_pyav_ffmpeg()
     main(sys.argv[1], sys.argv[2])

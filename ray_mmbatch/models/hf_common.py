@@ -171,12 +171,18 @@ def video_processor_settings(path: str) -> tuple[dict, str]:
     return {}, "the video processor class's defaults"
 
 
+VIDEO_LOADERS = ("torchcodec", "pyav")  # config.ImageConfig.video_loader
+
+
 def adopt_video_settings(cfg, video: dict[str, Any], where: str, family: str, defaults: dict[str, Any]) -> None:
     """What every video family takes from its checkpoint's video processor ``video`` (read from ``where``; keys it
     leaves out: the class's ``defaults``, which name do_sample_frames, fps, num_frames, image_mean, image_std):
     its pixel steps checked as an image processor's are (``pixel_settings``: bicubic, 1/255, convert to RGB;
     do_normalize off = mean 0, std 1), then image.video_sample_frames, video_fps (the user's value wins),
     video_num_frames, video_mean and video_std."""
+    if cfg.image.video_loader not in VIDEO_LOADERS:
+        raise ValueError(f"--video-loader {cfg.image.video_loader!r}: one of {', '.join(VIDEO_LOADERS)} (how HF's "
+                         "loader of that name reads a clip: docs/data.md)")
     get = {k: video.get(k, d) for k, d in defaults.items()}
     if cfg.image.video_fps is not None or cfg.image.video_num_frames is not None:
         get["do_sample_frames"] = True  # the user's --video-fps samples at that rate (HF needs do_sample_frames)

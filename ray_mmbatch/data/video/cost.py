@@ -8,8 +8,9 @@ squashes every frame to the tower's square. Pure module: numpy only.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -78,6 +79,26 @@ class VideoPlan:
     grid: tuple[int, int, int]  # (t, h, w) in patches: HF's video_grid_thw
     tokens: int                  # t * h * w / merge**2
     temporal: int                # temporal_patch_size
+    # where decode.py finds each sampled frame: its pts and the keyframe to seek to (stream time base);
+    # None: decode in order from the start (a stream without timestamps, or one that starts between keyframes)
+    pts: np.ndarray | None = field(default=None, compare=False, repr=False)
+    seek: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def to_json(self) -> str:
+        """The plan as measure hands it to materialize (schema.VIDEO_PLANS): the clip is not probed again."""
+        h = self.header
+        return json.dumps({"header": [h.frames, h.fps, h.height, h.width, h.rotation],
+                           "indices": self.indices.tolist(), "grid": list(self.grid), "tokens": self.tokens,
+                           "temporal": self.temporal, "pts": None if self.pts is None else self.pts.tolist(),
+                           "seek": None if self.seek is None else self.seek.tolist()}, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> VideoPlan:
+        d = json.loads(text)
+        frames, fps, height, width, rotation = d["header"]
+        return cls(VideoHeader(int(frames), float(fps), int(height), int(width), int(rotation)),
+                   np.asarray(d["indices"], dtype=np.int32), tuple(int(v) for v in d["grid"]), int(d["tokens"]),
+                   int(d["temporal"]), _int64(d["pts"]), _int64(d["seek"]))
 
     @property
     def frames(self) -> int:
@@ -103,15 +124,20 @@ class VideoPlan:
         return [f"<{t:.1f} seconds>" for t in self.timestamps()]
 
 
+def _int64(values) -> np.ndarray | None:
+    return None if values is None else np.asarray(values, dtype=np.int64)
+
+
 def plan_video(data, cfg: ImageConfig) -> VideoPlan:
     """probe_video + sample_indices + frame_size: the clip's exact grid and tokens, no frame decoded."""
     header = probe_video(data, cfg)
     indices = sample_indices(header, cfg)
     height, width = frame_size(header, len(indices), cfg)
+    where = {} if header.seek is None else {"pts": header.pts[indices], "seek": header.seek[indices]}
     if cfg.video == "llava_onevision":  # one whole-frame "patch" a frame; its features pooled 2 x 2, + a newline
         pooled = math.ceil(cfg.anyres_features / 2)
-        return VideoPlan(header, indices, (len(indices), 1, 1), len(indices) * pooled * pooled + 1, 1)
+        return VideoPlan(header, indices, (len(indices), 1, 1), len(indices) * pooled * pooled + 1, 1, **where)
     tps, ps = max(1, int(cfg.temporal_patch_size)), cfg.patch_size
     grid = (-(-len(indices) // tps), height // ps, width // ps)
-    return VideoPlan(header, indices, grid, grid[0] * grid[1] * grid[2] // cfg.merge_size ** 2, tps)
+    return VideoPlan(header, indices, grid, grid[0] * grid[1] * grid[2] // cfg.merge_size ** 2, tps, **where)
 

@@ -1,12 +1,23 @@
-"""Video decode: the plan's sampled frames only, as HF's PyAV loader decodes them, resized and patchified.
+"""Video decode: the plan's sampled frames only, as the decoder outputs them, resized and patchified.
 
-Seek to the keyframe before each run of sampled frames and decode just that run (frames of GOPs holding no
-sampled frame are never decoded), RGB as HF's PyAV loader converts it, the display rotation applied, then the
-resize HF's torchvision backend does (torch's uint8 bicubic with antialias, bit for bit), then ``patchify_video``
-in HF's row layout (channel, frame, py, px) -- uint8 until the training worker normalizes it. A sampled frame
-that cannot be decoded is ``corrupt_video``. Pure module: PyAV + numpy; torch only inside resize_frames.
+Frame i is the i-th frame the decoder outputs (probe.py's table: the i-th smallest pts of the packets it
+does not drop), as HF's PyAV loader (``enumerate(container.decode(video=0))``) and torchcodec index them.
+For each run of sampled frames behind one keyframe: seek to that keyframe and decode up to the run's last
+frame, taking the frames whose pts is wanted -- GOPs holding no sampled frame are never decoded. That is
+exact while the decoder outputs the table's frames; when it does not (a decoded frame whose pts the table
+lacks, a wanted frame not met after its seek: a container whose seek lands elsewhere, a stream without
+timestamps), the clip is decoded from its start in order and frame i is the i-th output, HF's loader's own
+count (``decode_sampled(...).sequential`` says which ran; tests/test_video.py checks both).
+
+Then RGB as HF's loaders convert it, the display rotation the probe applied (np.rot90, as torchcodec turns
+the frames), the resize HF's torchvision backend does (torch's uint8 bicubic with antialias, bit for bit), and
+``patchify_video`` in HF's row layout (channel, frame, py, px) -- uint8 until the training worker normalizes
+it. A sampled frame that cannot be decoded, or a decoder that outputs fewer frames than the probe counted,
+is ``corrupt_video``. Pure module: PyAV + numpy; torch only inside resize_frames.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,72 +27,54 @@ from ray_mmbatch.data.video.cost import VideoPlan
 from ray_mmbatch.data.video.probe import VideoSkip, _open
 
 
-def _decode_sampled(data, indices: np.ndarray, expected: int) -> tuple[list[np.ndarray], int]:
-    """RGB uint8 [H, W, 3] of each sampled frame (coded orientation) and the frames the GOPs decoded.
-
-    The packets are demuxed once (no decoding) for their presentation times: frame i is the i-th
-    smallest pts, as a decoder outputs them. Each run of sampled frames within one GOP is decoded from
-    its keyframe (a seek), up to its last sampled frame; GOPs with no sampled frame are never decoded.
-    """
-    import av
-
-    container = _open(data)
-    try:
-        stream = container.streams.video[0]
-        stream.thread_type = "AUTO"
-        pts, keys = [], []
-        for packet in container.demux(stream):
-            if packet.size > 0:
-                pts.append(packet.pts)
-                keys.append(bool(packet.is_keyframe))
-        if any(p is None for p in pts) or len(pts) != expected:
-            if any(p is None for p in pts):
-                return _decode_sequential(container, stream, indices)
-            raise VideoSkip(S.SKIP_CORRUPT_VIDEO, f"{len(pts)} frames in the stream, its header says {expected}")
-        order = np.argsort(np.asarray(pts, dtype=np.int64), kind="stable")
-        by_index = np.asarray(pts, dtype=np.int64)[order]
-        is_key = np.asarray(keys, dtype=bool)[order]
-        key_at = np.maximum.accumulate(np.where(is_key, np.arange(len(order)), 0))  # keyframe before each frame
-        wanted: dict[int, list[int]] = {}  # pts -> the output slots that frame fills
-        for j, i in enumerate(indices):
-            wanted.setdefault(int(by_index[i]), []).append(j)
-        out: list[np.ndarray | None] = [None] * len(indices)
-        decoded, k = 0, 0
-        unique = sorted(set(int(i) for i in indices))
-        while k < len(unique):
-            start = int(key_at[unique[k]])
-            run_end = k
-            while run_end + 1 < len(unique) and key_at[unique[run_end + 1]] == start:
-                run_end += 1
-            last_pts = int(by_index[unique[run_end]])
-            container.seek(int(by_index[start]), stream=stream, backward=True, any_frame=False)
-            for frame in container.decode(stream):
-                decoded += 1
-                if frame.pts is None:
-                    continue
-                if frame.pts in wanted:
-                    rgb = frame.to_ndarray(format="rgb24")
-                    for j in wanted[frame.pts]:
-                        out[j] = rgb
-                if frame.pts >= last_pts:
-                    break
-            k = run_end + 1
-        missing = [int(indices[j]) for j, f in enumerate(out) if f is None]
-        if missing:
-            raise VideoSkip(S.SKIP_CORRUPT_VIDEO, f"frames {missing[:5]} could not be decoded")
-        return out, decoded
-    except av.FFmpegError as e:
-        raise VideoSkip(S.SKIP_CORRUPT_VIDEO, f"decoding failed: {e}") from None
-    finally:
-        container.close()
+class Decoded(NamedTuple):
+    frames: list          # RGB uint8 [H, W, 3] per sampled index (coded orientation)
+    decoded: int          # frames the decoder output to get them
+    sequential: bool      # True: decoded in order from the start (the seek table was not followed)
 
 
-def _decode_sequential(container, stream, indices: np.ndarray) -> tuple[list[np.ndarray], int]:
-    """Frames in decode order, counted as HF's PyAV loader counts them (streams without timestamps)."""
+class _OffTable(Exception):
+    """The decoder's output is not the probe's table: decode in order instead."""
+
+
+def _by_seek(container, stream, pts: np.ndarray, seek: np.ndarray) -> tuple[list, int]:
+    """Each sampled frame by its pts (``pts[j]``), from the keyframe ``seek[j]``: one seek per run of sampled
+    frames behind one keyframe, decoding stops at the run's last frame."""
+    wanted: dict[int, list[int]] = {}  # pts -> the output slots that frame fills
+    for j, p in enumerate(pts.tolist()):
+        wanted.setdefault(p, []).append(j)
+    out: list[np.ndarray | None] = [None] * len(pts)
+    order = sorted(wanted)
+    seek_of = {int(p): int(s) for p, s in zip(pts, seek)}
+    decoded, k = 0, 0
+    while k < len(order):
+        start, run_end = seek_of[order[k]], k
+        while run_end + 1 < len(order) and seek_of[order[run_end + 1]] == start:
+            run_end += 1
+        last_pts, run = order[run_end], set(order[k:run_end + 1])
+        container.seek(start, stream=stream, backward=True, any_frame=False)
+        for frame in container.decode(stream):
+            decoded += 1
+            if frame.pts is None:
+                raise _OffTable
+            if frame.pts in run:  # only this run's frames: one sought past its references may come out broken
+                rgb = frame.to_ndarray(format="rgb24")
+                for j in wanted[frame.pts]:
+                    out[j] = rgb
+            if frame.pts >= last_pts:
+                break
+        if any(out[wanted[p][0]] is None for p in order[k:run_end + 1]):
+            raise _OffTable  # the seek landed past a wanted frame (or it never came): not the table's decoder
+        k = run_end + 1
+    return out, decoded
+
+
+def _in_order(container, stream, indices: np.ndarray, expected: int) -> tuple[list, int]:
+    """Frames in decode order from the start, counted as HF's PyAV loader counts them."""
     container.seek(0)
     want, last = set(int(i) for i in indices), int(max(indices))
     got: dict[int, np.ndarray] = {}
-    n = 0
+    n = -1
     for n, frame in enumerate(container.decode(stream)):
         if n in want:
             got[n] = frame.to_ndarray(format="rgb24")
@@ -89,8 +82,32 @@ def _decode_sequential(container, stream, indices: np.ndarray) -> tuple[list[np.
             break
     missing = [int(i) for i in indices if int(i) not in got]
     if missing:
-        raise VideoSkip(S.SKIP_CORRUPT_VIDEO, f"frames {missing[:5]} could not be decoded")
+        raise VideoSkip(S.SKIP_CORRUPT_VIDEO, f"frames {missing[:5]} could not be decoded: the decoder output "
+                        f"{n + 1} frames, the packets promise {expected}")
     return [got[int(i)] for i in indices], n + 1
+
+
+def decode_sampled(data, plan: VideoPlan) -> Decoded:
+    """RGB uint8 [H, W, 3] of each sampled frame (coded orientation), by seek where exact (module docstring)."""
+    import av
+
+    header, indices = plan.header, plan.indices
+    container = _open(data)
+    try:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        if plan.pts is not None:
+            try:
+                frames, decoded = _by_seek(container, stream, plan.pts, plan.seek)
+                return Decoded(frames, decoded, False)
+            except _OffTable:
+                pass
+        frames, decoded = _in_order(container, stream, indices, header.frames)
+        return Decoded(frames, decoded, True)
+    except av.FFmpegError as e:
+        raise VideoSkip(S.SKIP_CORRUPT_VIDEO, f"decoding failed: {e}") from None
+    finally:
+        container.close()
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -106,8 +123,8 @@ def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 def decode_video(data, plan: VideoPlan, cfg: ImageConfig) -> np.ndarray:
-    """The plan's sampled frames, displayed orientation, resized to its grid: uint8 [n, H, W, 3]."""
-    frames, _ = _decode_sampled(data, plan.indices, plan.header.frames)
+    """The plan's sampled frames, turned by the probe's rotation, resized to its grid: uint8 [n, H, W, 3]."""
+    frames = decode_sampled(data, plan).frames
     k = (plan.header.rotation // 90) % 4
     if k:
         frames = [np.rot90(f, k=k) for f in frames]

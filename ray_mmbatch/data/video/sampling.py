@@ -77,8 +77,9 @@ def _sample_qwen3(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
         num = min(max(num, cfg.video_min_frames), cfg.video_max_frames, total)
     if num is None:
         num = min(max(total, cfg.video_min_frames), cfg.video_max_frames)
-    # more frames than the clip holds (num_frames, or min_frames over a short clip): linspace repeats indices, and
-    # HF's PyAV loader (read_video_pyav: `i in indices`) then yields each of those frames once; so do we (HF's
-    # torchcodec path would repeat them: docs/data.md). Nothing is refused here (was: skipped as empty_video)
-    return np.unique(np.linspace(0, total - 1, num).round().astype(np.int32))
+    # more frames than the clip holds (num_frames, or min_frames over a short clip): linspace repeats indices; HF's
+    # torchcodec path (get_frames_at) returns each as often as it is asked, its PyAV loader (read_video_pyav:
+    # `i in indices`) once: as the loader chosen does (docs/data.md). Nothing is refused here
+    indices = np.linspace(0, total - 1, num).round().astype(np.int32)
+    return np.unique(indices) if cfg.video_loader == "pyav" else indices
 
