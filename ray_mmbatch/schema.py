@@ -52,10 +52,13 @@ N_FRAMES = "n_frames"            # int: frames sampled from the sample's videos 
 N_VIDEOS = "n_videos"            # int
 VIDEO_TOKENS = "video_tokens"    # int: the part of IMAGE_TOKENS that is video
 VIDEO_TOKEN_ID = "video_token_id"  # int: id of the video pad token (-1: the family takes no video)
+VIDEO_PLANS = "video_plans"      # list<str>: per video, in media order, its plan (data/video VideoPlan.to_json:
+                                 # indices, grid, where each sampled frame sits): materialize decodes by it,
+                                 # the clip is probed once per sample
 
 MEASURED_COLUMNS = RAW_COLUMNS + (
     TEXT_IDS, TEXT_TARGET, GRIDS, TEXT_TOKENS, IMAGE_TOKENS, PATCHES, N_IMAGES, TOKENS, SKIP_REASON, IMAGE_TOKEN_ID,
-    N_FRAMES, N_VIDEOS, VIDEO_TOKENS, VIDEO_TOKEN_ID,
+    N_FRAMES, N_VIDEOS, VIDEO_TOKENS, VIDEO_TOKEN_ID, VIDEO_PLANS,
 )
 
 # --------------------------------------------------------------- skip reasons

@@ -640,6 +640,42 @@ def qwen2(tmp_path_factory):
     return SimpleNamespace(path=path, cfg=cfg, ids=token_ids(cfg, load_tokenizer(cfg.text.tokenizer)))
 
 
+def test_each_clip_is_probed_once_per_sample_materialize_decodes_by_the_carried_plan(clips, qwen2, monkeypatch):
+    """measure probes each clip (one open, one demux) and hands its plan on (schema.VIDEO_PLANS); materialize
+    opens the clip once, to decode by that plan, and never probes it again (was: probed again in materialize,
+    and WebM / Matroska demuxed three times: measure's count, materialize's probe, decode's timestamp pass).
+    A row measured without the plans (an older payload) is probed again and gives the same sample."""
+    from ray_mmbatch.data.video import decode as video_decode
+    from ray_mmbatch.data.video import probe as video_probe
+
+    cfg, opens = qwen2.cfg.image, {"probe": 0, "decode": 0}
+
+    def counted(where, real):
+        def _open(data):
+            opens[where] += 1
+            return real(data)
+        return _open
+
+    monkeypatch.setattr(video_probe, "_open", counted("probe", video_probe._open))  # the real opener, counted
+    monkeypatch.setattr(video_decode, "_open", counted("decode", video_decode._open))
+    names = ["vp9_webm", "h264_mkv", "trimmed_mp4"]
+    tok = load_tokenizer(qwen2.cfg.text.tokenizer)
+    raw = {S.SAMPLE_ID: names, S.CONVERSATIONS: [json.dumps([{"from": "human", "value": "<video>\nWhat?"},
+                                                             {"from": "gpt", "value": "A clip."}])] * 3,
+           S.IMAGES: [[clips.data[k]] for k in names], S.IMAGE_REFS: [[k] for k in names], S.READ_ERROR: [""] * 3}
+    measured = measure_batch(raw, cfg, tok, qwen2.cfg.text)
+    assert not any(measured[S.SKIP_REASON]) and opens == {"probe": 3, "decode": 0}
+    assert [len(p) for p in measured[S.VIDEO_PLANS]] == [1, 1, 1]
+    rows = [{c: measured[c][i] for c in measured} for i in range(3)]
+    carried = [materialize_sample(r, cfg) for r in rows]
+    assert opens == {"probe": 3, "decode": 3}  # no second probe
+    again = [materialize_sample({k: v for k, v in r.items() if k != S.VIDEO_PLANS}, cfg) for r in rows]
+    assert opens == {"probe": 6, "decode": 6}
+    for a, b in zip(carried, again):
+        assert np.array_equal(a["video_patches"], b["video_patches"]) and np.array_equal(a["input_ids"],
+                                                                                         b["input_ids"])
+
+
 @pytest.mark.ray
 def test_a_mixed_image_and_video_run_trains_every_sample_once_within_every_budget(ray_cluster, clips, qwen2,
                                                                                    tmp_path, monkeypatch):

@@ -73,7 +73,7 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
         repeats[pad_at] = [image_tokens(g, hw, image_cfg) for g, hw in zip(grids, sizes)]
     else:
         repeats[pad_at] = np.repeat(grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2 // per_image, per_image)
-    plans = _video_plans(videos, vgrids, image_cfg, sid)
+    plans = _video_plans(videos, vgrids, image_cfg, sid, _items(row.get(S.VIDEO_PLANS)))
     if plans:
         per_clip = [int(g[0]) if image_cfg.video == "qwen3_vl" else 1 for g in vgrids]
         repeats[ids == video_id] = np.repeat([p.tokens // n for p, n in zip(plans, per_clip)], per_clip)
@@ -119,13 +119,17 @@ def _video_items(ids: np.ndarray, pad_id: int, video_id: int, grids: np.ndarray,
     return is_video
 
 
-def _video_plans(videos: list, vgrids: np.ndarray, image_cfg: ImageConfig, sid) -> list:
-    """Each video's plan again from its header (cheap), checked against the grid measure gave it."""
+def _video_plans(videos: list, vgrids: np.ndarray, image_cfg: ImageConfig, sid, carried: list) -> list:
+    """Each video's plan as measure made it (schema.VIDEO_PLANS: the clip is not probed again); a row measured
+    without them (an older payload) probes its clips again. Checked against the grid measure gave each."""
     if not videos:
         return []
-    from ray_mmbatch.data.video import plan_video
+    from ray_mmbatch.data.video import VideoPlan, plan_video
 
-    plans = [plan_video(data, image_cfg) for data in videos]
+    if len(carried) == len(videos):
+        plans = [VideoPlan.from_json(str(text)) for text in carried]
+    else:
+        plans = [plan_video(data, image_cfg) for data in videos]
     for plan, grid in zip(plans, vgrids):
         if tuple(int(v) for v in plan.grid) != tuple(int(v) for v in grid):
             raise ValueError(f"{sid}: a video's grid is {plan.grid} now, measured {tuple(grid)}")

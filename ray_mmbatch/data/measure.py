@@ -219,6 +219,7 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
         S.N_VIDEOS: np.array([len(v) for v in videos], dtype=np.int64),
         S.VIDEO_TOKENS: np.array([sum(p.tokens for p in v) for v in videos], dtype=np.int64),
         S.VIDEO_TOKEN_ID: np.full(n, video_id, dtype=np.int64),
+        S.VIDEO_PLANS: [[p.to_json() for p in v] for v in videos],  # materialize decodes by them, no second probe
     })
     return out
 
@@ -228,7 +229,7 @@ def _skipped(row: dict, reason: str) -> dict:
     out = dict(row)
     out.update({S.SKIP_REASON: reason, S.TEXT_IDS: _EMPTY_IDS, S.TEXT_TARGET: _EMPTY_TARGET, S.GRIDS: _EMPTY_GRIDS,
                 S.TEXT_TOKENS: 0, S.IMAGE_TOKENS: 0, S.PATCHES: 0, S.N_IMAGES: 0, S.TOKENS: 0,
-                S.N_FRAMES: 0, S.N_VIDEOS: 0, S.VIDEO_TOKENS: 0})
+                S.N_FRAMES: 0, S.N_VIDEOS: 0, S.VIDEO_TOKENS: 0, S.VIDEO_PLANS: []})
     return out
 
 
@@ -286,7 +287,7 @@ def fit_batch_to_budget(batch: dict[str, Any], budget: BudgetConfig) -> dict[str
         return batch
     out = dict(batch)
     changed = (S.TEXT_IDS, S.TEXT_TARGET, S.GRIDS, S.TEXT_TOKENS, S.IMAGE_TOKENS, S.PATCHES, S.N_IMAGES, S.TOKENS,
-               S.SKIP_REASON) + tuple(c for c in (S.N_FRAMES, S.N_VIDEOS, S.VIDEO_TOKENS) if c in batch)
+               S.SKIP_REASON) + tuple(c for c in (S.N_FRAMES, S.N_VIDEOS, S.VIDEO_TOKENS, S.VIDEO_PLANS) if c in batch)
     for c in changed:
         out[c] = np.array(batch[c], copy=True) if isinstance(batch[c], np.ndarray) else list(batch[c])
     for i in np.flatnonzero(bad):
