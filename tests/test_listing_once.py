@@ -141,6 +141,7 @@ def test_the_driver_steps_of_a_run_list_each_source_once(bucket):
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_train_run_lists_each_source_once(ray_cluster, bucket, tmp_path):
     """``ray-mmbatch train`` over the bucket with --filter and two epochs: one full listing of the folder for the
     whole run (pre-flight, plan, digest, both epochs' datasets in the Train controller, summary.json's filtered
@@ -160,4 +161,55 @@ def test_a_train_run_lists_each_source_once(ray_cluster, bucket, tmp_path):
     assert summary["filtered"] == 8 and summary["samples"] + summary["skipped_total"] == 2 * 16, summary
     assert _recursive_lists(server, "sd") == 1
     for key, size in shards.items():  # listing (--filter reads the batches) + pre-flight + 2 epochs
-        assert server.bytes_sent(key) <= 4.1 * size, (key, server.bytes_sent(key), size)
+        assert server.bytes_sent(key) <= 3.5 * size, (key, server.bytes_sent(key), size)
+
+
+def test_inspect_throughput_lists_the_folder_once(bucket, tmp_path, capsys):
+    """``inspect --throughput`` (in this process: pre-flight, then the stages over the first samples): one
+    full listing of the folder, and each shard fetched about once beside its listing (before: 3 listings,
+    each streaming every shard)."""
+    from ray_mmbatch.commands.inspect_data import main
+
+    server, _, remote, shards = bucket
+    server.clear()
+    assert main(["--data", f"{remote}/sd", "--throughput", "--throughput-samples", "12", "--max-tokens", "2048",
+                 "--json", str(tmp_path / "t.json")]) == 0
+    assert _recursive_lists(server, "sd") == 1
+    assert all(server.bytes_sent(k) <= 2.5 * n for k, n in shards.items()), \
+        {k: server.bytes_sent(k) for k in shards}  # pre-flight + the throughput read
+
+
+@pytest.mark.ray
+def test_inspect_lists_the_folder_once(ray_cluster, bucket, tmp_path, capsys):
+    """``inspect`` with --filter: the pre-flight, the listing summary and the Ray read share one listing."""
+    import json
+
+    from ray_mmbatch.commands.inspect_data import main
+
+    server, _, remote, _ = bucket
+    server.clear()
+    assert main(["--data", f"{remote}/sd", "--filter", "score >= 1", "--json", str(tmp_path / "i.json")]) == 0
+    summary = json.loads((tmp_path / "i.json").read_text())
+    assert summary["samples_read"] == 16, summary
+    assert _recursive_lists(server, "sd") == 1
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_tune_sweep_lists_the_folder_once(ray_cluster, bucket, tmp_path):
+    """``tune``: the pre-flight lists the folder, the sweep hands that listing to its trials (Ray workers,
+    through the object store): two trials, one full listing (before: one more in every trial)."""
+    from ray_mmbatch.run.preflight import preflight
+    from ray_mmbatch.run.tune import tune_budgets
+
+    server, _, remote, _ = bucket
+    base = Config()
+    base.data = DataConfig(path=f"{remote}/sd")
+    base.budget.window = 16
+    server.clear()
+    with one_listing():
+        preflight(base, samples=8)
+        res = tune_budgets(base, [{"budget.max_tokens": 1024}, {"budget.max_tokens": 2048}], str(tmp_path / "t"),
+                           memory_limit_mb=64_000, warmup_steps=0, steps=1, verbose=False)
+    assert [t["status"] for t in res["trials"]] == ["ok", "ok"], res["trials"]
+    assert _recursive_lists(server, "sd") == 1

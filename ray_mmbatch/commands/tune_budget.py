@@ -41,7 +41,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     from ray_mmbatch.commands.train import ensure_demo_data
-    from ray_mmbatch.run.preflight import PreflightError, preflight
     from ray_mmbatch.run.raylogs import quiet_ray
 
     quiet_ray(args.verbose)
@@ -51,6 +50,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
               file=sys.stderr, flush=True)
         return 2
     ensure_demo_data(cfg)  # same demo data as the train command
+    from ray_mmbatch.formats.listing import one_listing
+
+    with one_listing():  # the pre-flight and the sweep's trials share one listing of each source
+        return _tune(cfg, args)
+
+
+def _tune(cfg, args) -> int:
+    from ray_mmbatch.run.preflight import PreflightError, preflight
+
     try:
         preflight(cfg)
     except PreflightError as e:

@@ -17,6 +17,7 @@ Adding a format is one module plus one line in FORMATS.
 Locations are plain paths or URIs of any pyarrow filesystem (formats/fs.py): a file, a folder
 (listed recursively, sorted, hidden entries left out) or a glob. A missing or unlistable root
 fails at start naming the URI; a file that cannot be read inside it is a skipped file.
+Inside a run's scope (formats/listing.py) ``resolve``, ``list_units`` and ``count`` run once per source.
 Pure package: no ray (dataflow/read.py is the Ray shell).
 """
 from __future__ import annotations

@@ -51,8 +51,9 @@ def _trial_metrics(out_dir: Path, warmup_steps: int) -> dict[str, float]:
     }
 
 
-def run_trial(params: dict[str, Any]) -> None:
-    """The Tune function: one short training run with these budget settings."""
+def run_trial(params: dict[str, Any], listing: tuple | None = None) -> None:
+    """The Tune function: one short training run with these budget settings. ``listing``: the sweep's listing
+    of the data (formats/units.read_units, made once in the driver: the settings swept leave it unchanged)."""
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from ray_mmbatch.train.trainer import fit
@@ -74,7 +75,7 @@ def run_trial(params: dict[str, Any]) -> None:
     ray.data.DataContext.get_current().enable_progress_bars = False  # a trial has no terminal to draw on
     result: dict[str, Any] = {"status": "ok", "error": ""}
     try:
-        fit(cfg, run_name=name, callbacks=[TuneReportCallback()])
+        fit(cfg, run_name=name, callbacks=[TuneReportCallback()], reader=listing)
     except Exception as e:  # an OOM or crash makes this setting infeasible, not the sweep
         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
         result.update(status="oom" if "memory" in msg.lower() else "failed", error=msg[-500:])
@@ -153,8 +154,13 @@ def tune_budgets(base: Config, settings: list[dict[str, Any]], out_dir: str, mem
                        warmup_steps=warmup_steps, steps=steps, tracker_env=tracker_env(out.name))
     if not verbose:  # Tune's classic reporter at verbosity 0 prints nothing (the new one prints its header)
         os.environ["RAY_AIR_NEW_OUTPUT"] = "0"
+    from ray_mmbatch.formats.units import read_units
+
+    # one listing for the sweep (its settings are budgets, never data settings), handed to every trial
+    # through the object store: a trial lists nothing (formats/listing.py)
+    listing = read_units(base.data.path, base.data)
     tuner = tune.Tuner(
-        tune.with_resources(run_trial, {"cpu": 0.1}),  # the trial only waits on its trainer
+        tune.with_resources(tune.with_parameters(run_trial, listing=listing), {"cpu": 0.1}),  # it waits on its trainer
         param_space=param_space,
         # no metric here: the Train callback streams per-step reports; the best is picked from final results
         tune_config=tune.TuneConfig(max_concurrent_trials=1),

@@ -161,10 +161,12 @@ def _worker_resources(cfg: Config) -> dict[str, float]:
     return res
 
 
-def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None, per_epoch: int | None = None):
+def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None, per_epoch: int | None = None,
+        reader: tuple | None = None):
     """``build_trainer(...).fit()``, the ranks' records written under OUTPUT_DIR by this process
     (train/events.py: through Ray, so no shared disk is needed for progress and summary). ``per_epoch``: the
-    samples an epoch reads, when the caller counted them already (planned_samples)."""
+    samples an epoch reads, when the caller counted them already (planned_samples); ``reader``: the data's
+    listing (formats/units.read_units), when the caller listed it already (a tune sweep lists once)."""
     from ray_mmbatch.run.trackers import open_trackers
     from ray_mmbatch.train.events import follow
 
@@ -172,11 +174,11 @@ def fit(cfg: Config, run_name: str | None = None, callbacks: list | None = None,
     check_output_locations(cfg)
     out = Path(cfg.train.output_dir).resolve()
     with follow(out, sink=open_trackers(cfg, out, run_name or "")) as channel:  # --report-to: run/trackers.py
-        return build_trainer(cfg, run_name, callbacks, channel=channel, per_epoch=per_epoch).fit()
+        return build_trainer(cfg, run_name, callbacks, channel=channel, per_epoch=per_epoch, reader=reader).fit()
 
 
 def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | None = None, channel=None,
-                  per_epoch: int | None = None):
+                  per_epoch: int | None = None, reader: tuple | None = None):
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -197,7 +199,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
     storage = storage_location(cfg)
     # the data position counts read units of this listing: a resume over another one fails here. The same
     # listing goes to every epoch's dataset (built in the Train controller's process): listed once a run
-    reader = read_units(cfg.data.path, cfg.data)
+    reader = reader or read_units(cfg.data.path, cfg.data)
     listing = listing_digest(reader[0])
     check_listing(ckpt.read_latest_position(out, fs.join(storage, name)), listing, cfg.data.path)
 
