@@ -519,7 +519,7 @@ def test_bad_clips_are_skipped_with_their_reason(clips, family):
 
 def test_a_family_without_video_refuses_a_video_sample(clips):
     cfg = Config()  # the built-in model: images only
-    tok = load_tokenizer(qwen2.cfg.text.tokenizer)
+    tok = load_tokenizer("")
     raw = {S.SAMPLE_ID: ["v"], S.CONVERSATIONS: [json.dumps([{"from": "human", "value": "<video>\nWhat?"},
                                                               {"from": "gpt", "value": "A clip."}])],
            S.IMAGES: [[clips.data["vfr"]]], S.IMAGE_REFS: [["clips/vfr.mp4"]], S.READ_ERROR: [""]}
