@@ -106,11 +106,11 @@ class ImageConfig:
     video_num_frames: int | None = None
     """A fixed number of frames sampled from every clip (HF ``num_frames``; rounded to temporal_patch_size)."""
     video_min_frames: int = flag("--video-min-frames", 4)
-    """Fewest frames fps sampling takes from a clip (HF ``min_frames``); the user's value wins over the
-    checkpoint's."""
+    """Fewest frames fps sampling takes from a clip (HF ``min_frames``; LLaVA-OneVision, whose HF sampler has no
+    bound, takes it as a floor on its count); the user's value wins over the checkpoint's."""
     video_max_frames: int = flag("--video-max-frames", 768)
-    """Most frames fps sampling takes from a clip (HF ``max_frames``); the user's value wins over the
-    checkpoint's."""
+    """Most frames fps sampling takes from a clip (HF ``max_frames``; a cap on LLaVA-OneVision's count); the
+    user's value wins over the checkpoint's."""
     video_min_pixels: int = 128 * 28 * 28
     """Smart resize lower bound on a frame's area (HF video processor ``size['shortest_edge']``); on the whole
     clip's pixels (frames x area) for video='qwen3_vl', as its processor does."""
@@ -122,7 +122,9 @@ class ImageConfig:
     video_max_tokens tokens' worth of pixels (90 %), floored at 1.05 x video_min_pixels."""
     video_max_tokens: int = flag("--video-max-tokens", 128000)
     """HF ``max_video_tokens`` (qwen-vl-utils' total pixel cap, in tokens): the budget cap_pixels_per_frame shares
-    among a clip's frames; the user's value wins over the checkpoint's."""
+    among a clip's frames (Qwen3-VL: a frame's tokens, as its processor has it; LLaVA-OneVision: the clip's
+    tokens cap its frame count); the user's value wins over the checkpoint's and turns cap_pixels_per_frame on.
+    --video-max-pixels is refused for LLaVA-OneVision (every frame is the tower's square)."""
     video_mean: tuple[float, ...] = ()
     """Per-channel mean for video pixels (the video processor's ``image_mean``); () = image_mean."""
     video_std: tuple[float, ...] = ()

@@ -833,6 +833,92 @@ def test_onevision_header_cost_and_pixels_equal_its_video_processor(clips, onevi
         assert np.array_equal(ours, ref[f"{name}/pixels"]), name
 
 
+def test_onevision_samples_as_llava_next_without_video_settings_and_honours_the_frame_and_token_caps(tmp_path):
+    """LLaVA-OneVision (issue 44, part 1 for every video family): a checkpoint that ships no video settings samples
+    as LLaVA-NeXT trains OneVision (1 fps, at most 32 frames; HF's class default would take every frame);
+    --video-fps, --video-min-frames, --video-max-frames and --video-max-tokens (frames x 4 + 1 tokens here) bound
+    the count, and the frames, grid, tokens and pixels then equal HF's LlavaOnevisionVideoProcessor told that
+    count (HF's sampler has no bounds: num_frames is how it is told); --video-max-pixels is refused in one line
+    (every frame is the tower's square). Was: every frame, the bounds ignored."""
+    from ray_mmbatch.data.video import video_patches
+    from ray_mmbatch.models import llava_onevision as ov
+    from tests.hf_llava_onevision_checkpoint import make_llava_onevision_checkpoint
+
+    bare = make_llava_onevision_checkpoint(tmp_path / "bare")  # no video processor file, no video keys
+    clip = tmp_path / "forty_s.mp4"
+    clip.write_bytes(encode_clip(clip_frames(80, 42, 42, 21), fps=2))  # 40 s at 2 fps
+
+    def configured(**settings):
+        cfg = Config()
+        cfg.model.path = str(bare)
+        for k, v in settings.items():
+            setattr(cfg.image, k, v)
+        return ov.configure(cfg).image
+
+    toolkit = configured()
+    assert (toolkit.video_sample_frames, toolkit.video_fps, toolkit.video_min_frames, toolkit.video_max_frames) == \
+        (True, 1.0, 1, 32)
+    six = {"fps 0.5, max 6": configured(video_fps=0.5, video_max_frames=6),
+           "fps 0.1, min 6": configured(video_fps=0.1, video_min_frames=6),
+           "25 tokens": configured(video_max_tokens=6 * 4 + 1)}
+    with pytest.raises(ValueError, match=r"^image.video_max_pixels = 1000 \(--video-max-pixels\) contradicts .*42x42"):
+        configured(video_max_pixels=1000)
+    data = clip.read_bytes()
+    for n, cases in ((32, {"LLaVA-NeXT defaults": toolkit}), (6, six)):
+        told = tmp_path / f"hf_{n}"
+        told.mkdir()
+        ckpt = make_llava_onevision_checkpoint(told / "ckpt")
+        (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
+            dict(ONEVISION_VIDEO, fps=None, num_frames=n)))
+        ref = _run_reference(ckpt, {"clip": clip}, told, num_image_tokens=9)
+        for what, im in cases.items():
+            plan = plan_video(data, im)
+            assert plan.indices.tolist() == ref["clip/indices"].tolist(), what
+            assert [list(plan.grid)] == ref["clip/grid"].tolist() and plan.tokens == int(ref["clip/tokens"]), what
+            ours = normalize_video_patches(torch.from_numpy(video_patches(data, plan, im)), im.video_mean,
+                                           im.video_std).numpy()
+            assert np.array_equal(ours, ref["clip/pixels"]), what
+
+
+def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp_path):
+    """Qwen3-VL (issue 44, part 1 for every video family): --video-fps, --video-min-frames, --video-max-frames,
+    --video-max-pixels (Qwen3-VL's bound is the whole clip's pixels, as its processor has it) and
+    --video-max-tokens (its per-frame token cap, which the flag turns on: HF's cap_pixels_per_frame) win over
+    the checkpoint, and frames, grid, timestamps and pixels equal HF's Qwen3VLVideoProcessor whose settings say
+    the same. Qwen2-VL: --video-max-tokens turns its per-frame share on too (was accepted and ignored)."""
+    ckpt = make_qwen_checkpoint(tmp_path / "q3", "qwen3_vl")
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen3_vl"]))
+    cfg = Config()
+    cfg.model.path = str(ckpt)
+    flags = {"video_fps": 2.0, "video_min_frames": 3, "video_max_frames": 6, "video_max_pixels": 40 * 32 * 32,
+             "video_max_tokens": 6}
+    for k, v in flags.items():
+        setattr(cfg.image, k, v)
+    im = qwen_vl.configure(cfg).image
+    assert im.video_cap_pixels_per_frame and {k: getattr(im, k) for k in flags} == flags
+    told = make_qwen_checkpoint(tmp_path / "told", "qwen3_vl")
+    (told / "video_preprocessor_config.json").write_text(json.dumps(dict(
+        VIDEO_PROCESSOR["qwen3_vl"], fps=2.0, min_frames=3, max_frames=6, max_video_tokens=6,
+        size={"shortest_edge": 8 * 32 * 32, "longest_edge": 40 * 32 * 32})))
+    names = ("h264_bframes", "vfr", "trimmed_mp4", "rotated_mkv", "long_gop")
+    (tmp_path / "ref").mkdir()
+    ref = _run_reference(told, {k: clips.paths[k] for k in names}, tmp_path / "ref", cap_pixels_per_frame=True)
+    for name in names:
+        plan = plan_video(clips.data[name], im)
+        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist(), name
+        assert "".join(plan.timestamp_texts()) in str(ref[f"{name}/text"]).replace("<|vision_start|>", "").replace(
+            "<|video_pad|>", "").replace("<|vision_end|>", ""), name
+        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im), im)),
+                                       im.video_mean, im.video_std).numpy()
+        assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+    q2 = make_qwen_checkpoint(tmp_path / "q2", "qwen2_vl")
+    (q2 / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen2_vl"]))
+    cfg = Config()
+    cfg.model.path, cfg.image.video_max_tokens = str(q2), 500
+    assert qwen_vl.configure(cfg).image.video_cap_pixels_per_frame
+
+
 def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:
     """The sample alone through HF's standard forward, pixel_values_videos as [1, frames, 3, S, S]."""
     from ray_mmbatch.models import llava_onevision as ov

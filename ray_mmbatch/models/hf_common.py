@@ -172,6 +172,22 @@ def video_processor_settings(path: str) -> tuple[dict, str]:
 
 
 VIDEO_LOADERS = ("torchcodec", "pyav")  # config.ImageConfig.video_loader
+_VIDEO_KEYS = ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames", "video_processor_type")
+UNBOUNDED = 2 ** 31 - 1  # a frame / token bound HF's processor does not have
+
+
+def has_video_settings(video: dict) -> bool:
+    """Whether the checkpoint's video settings are a video processor's (a key only a video processor has), not
+    the image processor's preprocessor_config.json that HF falls back to."""
+    return any(k in video for k in _VIDEO_KEYS)
+
+
+def user_set(cfg, key: str) -> bool:
+    """Whether config field ``key`` ("section.field") differs from its Config() default (the user set it)."""
+    from ray_mmbatch.config import Config
+
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name) != getattr(getattr(Config(), section), name)
 
 
 def adopt_video_settings(cfg, video: dict[str, Any], where: str, family: str, defaults: dict[str, Any]) -> None:

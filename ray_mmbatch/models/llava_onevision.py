@@ -138,14 +138,26 @@ def configure(cfg):
     return cfg
 
 
+# How LLaVA-OneVision's own training samples video when a checkpoint ships no video settings (LLaVA-NeXT
+# llava/train/train.py: video_fps 1, and scripts/train/finetune_ov.sh --frames_upbound 32): 1 frame a second,
+# at most 32; spread over the clip as HF's processor spreads them (default_sample_indices_fn)
+LLAVA_NEXT_VIDEO = {"do_sample_frames": True, "fps": 1.0, "max_frames": 32}
+
+
 def _configure_video(cfg, path: str, side: int) -> None:
     """image.video* from the checkpoint's video processor (HF LlavaOnevisionVideoProcessor: every frame squashed
-    to the tower's square, bicubic; all frames unless it samples; CLIP mean / std by default)."""
+    to the tower's square, bicubic; all frames unless it samples; CLIP mean / std by default). A checkpoint that
+    ships no video settings samples as LLaVA-NeXT trains (LLAVA_NEXT_VIDEO). HF's sampler has no frame bounds:
+    --video-min-frames / --video-max-frames bound its fps count when given, --video-max-tokens caps the frames
+    (each frame ceil(g/2)**2 tokens, + 1); --video-max-pixels is refused (every frame is the tower's square)."""
     from ray_mmbatch.models.hf_common import (
         CLIP_MEAN,
         CLIP_STD,
+        UNBOUNDED,
         adopt_setting,
         adopt_video_settings,
+        has_video_settings,
+        user_set,
         video_processor_settings,
     )
 
@@ -157,10 +169,22 @@ def _configure_video(cfg, path: str, side: int) -> None:
                          "squares (vision_config.image_size)")
     if video.get("do_center_crop"):
         raise ValueError(f"{where}: do_center_crop must be off (frames are resized whole)")
+    if user_set(cfg, "image.video_max_pixels"):
+        raise ValueError(f"image.video_max_pixels = {cfg.image.video_max_pixels} (--video-max-pixels) contradicts "
+                         f"{where} size {size['height']}x{size['width']}: LLaVA-OneVision resizes every frame to the "
+                         "tower's square; cap a clip with --video-max-frames or --video-max-tokens instead")
+    defaults = {"do_sample_frames": False, "fps": None, "num_frames": None, "max_frames": UNBOUNDED,
+                "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
+    if not has_video_settings(video):
+        defaults.update(LLAVA_NEXT_VIDEO)
+        where = f"LLaVA-NeXT's video defaults ({path} ships no video settings)"
     adopt_setting(cfg, "image.video", "llava_onevision", f"{path} (HF LlavaOnevisionVideoProcessor)")
-    adopt_video_settings(cfg, video, where, "llava_onevision", {"do_sample_frames": False, "fps": None,
-                                                                "num_frames": None, "image_mean": CLIP_MEAN,
-                                                                "image_std": CLIP_STD})
+    adopt_video_settings(cfg, video, where, "llava_onevision", defaults)
+    adopt_setting(cfg, "image.video_min_frames", 1, f"{where}: HF's sampler has no min_frames", user_may_override=True)
+    adopt_setting(cfg, "image.video_max_frames", int(video.get("max_frames", defaults["max_frames"])),
+                  f"{where} max_frames", user_may_override=True)
+    adopt_setting(cfg, "image.video_max_tokens", UNBOUNDED, f"{where}: HF's processor has no token cap",
+                  user_may_override=True)
 
 
 # ------------------------------------------------------------------ model

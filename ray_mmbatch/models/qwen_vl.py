@@ -105,14 +105,7 @@ VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 _PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
 
 
-_VIDEO_KEYS = ("do_sample_frames", "fps", "num_frames", "min_frames", "max_frames", "video_processor_type")
 _IMAGE_BOUNDS = ("min_pixels", "max_pixels", "size")
-
-
-def _has_video_settings(video: dict) -> bool:
-    """Whether the checkpoint's video settings are a video processor's (a key only a video processor has), not
-    the image processor's preprocessor_config.json that HF falls back to."""
-    return any(k in video for k in _VIDEO_KEYS)
 
 
 def _check_qwen2_sampling(im, where: str) -> None:
@@ -133,14 +126,20 @@ def _check_qwen2_sampling(im, where: str) -> None:
 
 def _configure_video(cfg, path: str, model_type: str) -> None:
     """image.video* and text.video_token from the checkpoint's video processor (Qwen2-VL / Qwen2.5-VL)."""
-    from ray_mmbatch.models.hf_common import adopt_setting, adopt_video_settings, video_processor_settings
+    from ray_mmbatch.models.hf_common import (
+        adopt_setting,
+        adopt_video_settings,
+        has_video_settings,
+        user_set,
+        video_processor_settings,
+    )
 
     if model_type not in VIDEO_MODEL_TYPES:
         return
     video, where = video_processor_settings(path)
     where = f"{path} {where}"
     defaults = _VIDEO_DEFAULTS[model_type]
-    if model_type != "qwen3_vl" and not _has_video_settings(video):  # as published: qwen-vl-utils' sampling
+    if model_type != "qwen3_vl" and not has_video_settings(video):  # as published: qwen-vl-utils' sampling
         defaults, where = QWEN_VL_UTILS_VIDEO, f"qwen-vl-utils' video defaults ({path} ships no video settings)"
         video = {k: v for k, v in video.items() if k not in _IMAGE_BOUNDS}  # the image bounds are not the video's
     size = video.get("size") or {}
@@ -155,8 +154,10 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
     adopt_setting(cfg, "image.video_max_frames", int(get["max_frames"]), f"{where} max_frames", user_may_override=True)
     adopt_setting(cfg, "image.video_min_pixels", int(lo), f"{where} size shortest_edge", user_may_override=True)
     adopt_setting(cfg, "image.video_max_pixels", int(hi), f"{where} size longest_edge", user_may_override=True)
-    adopt_setting(cfg, "image.video_cap_pixels_per_frame", bool(get["cap_pixels_per_frame"]),
-                  f"{where} cap_pixels_per_frame", user_may_override=True)
+    # --video-max-tokens turns the per-frame share of it on (HF's cap_pixels_per_frame), as --video-fps turns
+    # sampling on: a cap the user sets is never accepted and ignored
+    cap = bool(get["cap_pixels_per_frame"]) or user_set(cfg, "image.video_max_tokens")
+    adopt_setting(cfg, "image.video_cap_pixels_per_frame", cap, f"{where} cap_pixels_per_frame", user_may_override=True)
     adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens",
                   user_may_override=True)
     if sampler == "qwen2_vl":

@@ -51,16 +51,23 @@ def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
 
 def _sample_default(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     """HF BaseVideoProcessor.sample_frames (``default_sample_indices_fn``; LLaVA-OneVision): num_frames, or
-    max(1, int(duration x fps)), spread as arange(n) * total // n; every frame when it does not sample."""
+    max(1, int(duration x fps)), spread as arange(n) * total // n; every frame when it does not sample. The fps
+    count is bounded by video_min_frames..video_max_frames and by the frames video_max_tokens holds (HF has no
+    such bounds: models/llava_onevision.py sets them unbounded unless the user or LLaVA-NeXT's defaults give them;
+    the frames are then HF's for num_frames = that count)."""
     total = header.frames
     if not cfg.video_sample_frames:
         return np.arange(total, dtype=np.int32)
     num = cfg.video_num_frames
     if num is None and cfg.video_fps is not None:
         num = max(1, int(total / header.fps * cfg.video_fps))
+        most = cfg.video_max_frames
+        if cfg.video == "llava_onevision" and cfg.anyres_features:  # frames x ceil(g / 2)**2 tokens, + 1
+            most = min(most, max(1, (cfg.video_max_tokens - 1) // math.ceil(cfg.anyres_features / 2) ** 2))
+        num = min(max(num, cfg.video_min_frames), most)
     if num is None:
         return np.arange(total, dtype=np.int32)
-    if num > total:
+    if num > total:  # HF's sampler refuses more frames than the clip holds
         raise VideoSkip(S.SKIP_EMPTY_VIDEO, f"{total} frames, fewer than the {num} the processor samples")
     return (np.arange(num, dtype=np.int64) * total // num).astype(np.int32)
 
