@@ -213,3 +213,19 @@ def test_a_tune_sweep_lists_the_folder_once(ray_cluster, bucket, tmp_path):
                            memory_limit_mb=64_000, warmup_steps=0, steps=1, verbose=False)
     assert [t["status"] for t in res["trials"]] == ["ok", "ok"], res["trials"]
     assert _recursive_lists(server, "sd") == 1
+
+
+@pytest.mark.ray
+def test_your_own_trainers_epoch_streams_share_one_listing(ray_cluster, bucket):
+    """``ingest.datasets(cfg, epochs=3)`` (the streams for a TorchTrainer of your own): one full listing for
+    the three epochs (before: one per epoch, each streaming every shard)."""
+    from ray_mmbatch.train import ingest
+
+    server, _, remote, shards = bucket
+    cfg = Config()
+    cfg.data = DataConfig(path=f"{remote}/sd")
+    server.clear()
+    streams = ingest.datasets(cfg, epochs=3)
+    assert len(streams) == 3
+    assert _recursive_lists(server, "sd") == 1
+    assert sum(server.bytes_sent(k) for k in shards) < 0.35 * sum(shards.values())  # headers only: nothing read yet

@@ -103,6 +103,7 @@ def datasets(cfg: Config, epochs: int | None = None, state: DataState | dict | N
     """The batch streams of ``cfg``, one per epoch (``TorchTrainer(datasets=...)``), named for ``iter_batches``;
     ``state``: a resumed run's DataState (or its state_dict): the rows it trained are not read again."""
     from ray_mmbatch.dataflow.pipeline import batch_dataset, set_deterministic
+    from ray_mmbatch.formats.units import read_units
     from ray_mmbatch.models import configure, token_ids
     from ray_mmbatch.run.defaults import resolve_defaults
 
@@ -111,7 +112,9 @@ def datasets(cfg: Config, epochs: int | None = None, state: DataState | dict | N
     pad_id = token_ids(cfg)["pad_id"]
     n = epochs if epochs is not None else max(1, cfg.train.epochs)
     position = state.position.state_dict() if isinstance(state, DataState) else state
-    return {S.epoch_dataset_name(e): batch_dataset(cfg, pad_id, position=position, epoch=e) for e in range(n)}
+    reader = read_units(cfg.data.path, cfg.data)  # one listing for every epoch's stream (formats/listing.py)
+    return {S.epoch_dataset_name(e): batch_dataset(cfg, pad_id, position=position, epoch=e, reader=reader)
+            for e in range(n)}
 
 
 def data_config(preserve_order: bool = False):
