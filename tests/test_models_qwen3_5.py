@@ -176,6 +176,25 @@ def test_kernels_are_used_only_on_cuda_with_both_installed():
 test_text_only_batch_and_every_weight_gets_a_gradient = h.text_only_test()
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_train_mode_and_gradient_checkpointing_keep_the_segments(cfg, tok, built, reference, tol, checkpointing):
+    """In train mode (transformers' ``train()`` re-kernelizes the model and resets the DeltaNet layers' forward:
+    the adapter puts it back) and with activation checkpointing (the decoder layers run again in the backward
+    pass, the segments with them: they travel as a keyword) the packed batch's CE and gradients are still each
+    sample's alone; without the adapter's check, HF's forward would be back after ``train()``."""
+    import copy
+
+    train_cfg = copy.deepcopy(cfg)
+    train_cfg.model.gradient_checkpointing = checkpointing
+    model = qwen3_5.create_model(train_cfg, h.token_ids(cfg, tok)).train()
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules()) == checkpointing
+    layers = _deltanet_layers(model)
+    assert all("forward" not in m.__dict__ for m in layers)  # what train() did to the installed forward
+    h.check_exact(model, collate("pack", built[0], tok.pad_token_id), reference, f"pack, train, {checkpointing=}",
+                  tol)
+    assert all(m.forward.__func__ is deltanet.segmented_forward for m in layers)
+
+
 # ------------------------------------------------------------------ explicit varlen metadata (flash attention)
 def _text_config(hf_model):
     return hf_model.model.language_model.config

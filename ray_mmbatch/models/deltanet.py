@@ -14,7 +14,8 @@ transformers hands the boundaries to the kernels only: ``chunk_gated_delta_rule(
 (tests/test_models_qwen3_5.py measures the leak), and with ``cu_seqlens`` on CPU the fallback refuses to run.
 
 ``install(hf_model)`` replaces the ``forward`` of every ``*GatedDeltaNet`` module (instance attribute: the
-weights, their names and the class stay HF's, so export / FSDP / LoRA see the same model) by
+weights, their names and the class stay HF's, so export / FSDP / LoRA see the same model; ``ensure`` puts it
+back where transformers' ``train()`` reset it) by
 ``segmented_forward``, which takes the row's sample boundaries as the keyword ``SEGMENTS`` (a tuple of ints, the
 packed batch's cu_seqlens; the Qwen3.5 adapter adds it in pack mode only) and runs:
 
@@ -43,14 +44,21 @@ def is_deltanet(module) -> bool:
     return type(module).__name__.endswith("GatedDeltaNet")
 
 
-def install(hf_model) -> int:
-    """Route every Gated DeltaNet layer of ``hf_model`` through ``segmented_forward``; returns how many."""
-    n = 0
-    for module in hf_model.modules():
-        if is_deltanet(module):
+def install(hf_model) -> list:
+    """Route every Gated DeltaNet layer of ``hf_model`` through ``segmented_forward``; returns them (for ``ensure``)."""
+    layers = [m for m in hf_model.modules() if is_deltanet(m)]
+    ensure(layers)
+    return layers
+
+
+def ensure(layers: list) -> None:
+    """Route ``layers`` through ``segmented_forward`` again where something reset their forward: transformers'
+    ``train()`` re-kernelizes the model (the ``kernels`` package), and kernels' ``_replace_forward`` drops an
+    instance ``forward``, so after ``model.train()`` HF's forward would run again, leaking across samples. The
+    adapter calls this at every forward (a dict lookup per layer)."""
+    for module in layers:
+        if getattr(module.__dict__.get("forward"), "__func__", None) is not segmented_forward:
             module.forward = types.MethodType(segmented_forward, module)
-            n += 1
-    return n
 
 
 def kernels_available(device: torch.device) -> bool:

@@ -112,9 +112,15 @@ def _adapter_class():
 
     class Qwen35Adapter(QwenAdapter):
         """Qwen-VL's adapter (M-RoPE ids per packed sample, varlen kwargs on flash attention) plus, in pack mode,
-        the row's sample boundaries for the Gated DeltaNet layers (models/deltanet.py)."""
+        the row's sample boundaries for the Gated DeltaNet layers (models/deltanet.py), whose segment-aware
+        forward it checks is still in place (``deltanet.ensure``: ``model.train()`` resets it)."""
+
+        layers: list = []
 
         def __call__(self, batch: dict):
+            from ray_mmbatch.models import deltanet
+
+            deltanet.ensure(self.layers)
             kwargs = super().__call__(batch)
             if batch["mode"] == "pack":
                 cu = batch["cu_seqlens"]
@@ -149,10 +155,12 @@ def create_model(cfg, ids: dict):
             raise ValueError(f"image.{key} is {getattr(cfg.image, key)} but the model's is {want}: "
                              "call configure(cfg) before create_model")
     hf.config.use_cache = False
-    if not deltanet.install(hf):
+    layers = deltanet.install(hf)
+    if not layers:
         raise ValueError(f"{cfg.model.path}: no Gated DeltaNet layer found in {type(hf).__name__}")
     adapter = _adapter_class()(hf.model, hf.config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
                                cfg.image.temporal_patch_size)
+    adapter.layers = layers
     return wrap(hf, cfg, adapter, _vision_modules, NAME)
 
 
