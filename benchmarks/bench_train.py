@@ -54,6 +54,10 @@ sample's only image, by its aspect).
 with the same Llama-shaped text model 256 x 4 layers, SigLIP 128 x 2 layers at 128-px views in 16-px
 patches pixel-shuffled 2 x 2 to 16 tokens per view; image splitting on, longest edge 512: up to 4 x 4
 views + the global view, 16..272 tokens per image plus its row / col text block).
+``qwen3_5-tiny`` builds a random Qwen3.5 (``tiny_qwen3_5_checkpoint``: tests/hf_checkpoints.make_qwen3_5_checkpoint
+with a text model 256 x 4 layers, three Gated DeltaNet (2 key / 4 value heads of 64) and one gated full-attention
+layer (head_dim 64), the tiny test vision tower (32 wide, 2 blocks, 16-px patches), the built-in default's pixel
+bounds; pack mode runs its DeltaNet layers per sample, models/deltanet.py).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -197,6 +201,28 @@ def tiny_smolvlm_checkpoint(directory: str, seed: int = 0) -> str:
 
 
 TINY_CHECKPOINTS[TINY_SMOLVLM] = tiny_smolvlm_checkpoint
+
+
+TINY_QWEN3_5 = "qwen3_5-tiny"
+
+
+def tiny_qwen3_5_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random Qwen3.5 checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_checkpoints import make_qwen3_5_checkpoint
+
+    image = Config().image
+    text = {**TINY_TEXT, "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+            "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    make_qwen3_5_checkpoint(directory, initializer_range=0.02, seed=seed, text=text, image_processor={
+        "size": {"shortest_edge": image.min_pixels, "longest_edge": image.max_pixels}})
+    return directory
+
+
+TINY_CHECKPOINTS[TINY_QWEN3_5] = tiny_qwen3_5_checkpoint
 
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
@@ -421,7 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} / "
-                   f"{TINY_ONEVISION} (a random Qwen2-VL / InternVL / Gemma 3 / LLaVA-OneVision built in a temp dir, "
+                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} (a random Qwen2-VL / InternVL / Gemma 3 / "
+                   "LLaVA-OneVision / SmolVLM / Qwen3.5 built in a temp dir, "
                    "see the module header); default: the "
                    "built-in model")
     p.add_argument("--attention", default="sdpa",
