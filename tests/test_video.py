@@ -866,11 +866,9 @@ def test_onevision_samples_as_llava_next_without_video_settings_and_honours_the_
     data = clip.read_bytes()
     for n, cases in ((32, {"LLaVA-NeXT defaults": toolkit}), (6, six)):
         told = tmp_path / f"hf_{n}"
-        told.mkdir()
-        ckpt = make_llava_onevision_checkpoint(told / "ckpt")
-        (ckpt / "video_preprocessor_config.json").write_text(json.dumps(
-            dict(ONEVISION_VIDEO, fps=None, num_frames=n)))
-        ref = _run_reference(ckpt, {"clip": clip}, told, num_image_tokens=9)
+        told.mkdir()  # the same checkpoint, its video processor told num_frames (configured above, read no more)
+        (bare / "video_preprocessor_config.json").write_text(json.dumps(dict(ONEVISION_VIDEO, fps=None, num_frames=n)))
+        ref = _run_reference(bare, {"clip": clip}, told, num_image_tokens=9)
         for what, im in cases.items():
             plan = plan_video(data, im)
             assert plan.indices.tolist() == ref["clip/indices"].tolist(), what
@@ -896,7 +894,7 @@ def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp
         setattr(cfg.image, k, v)
     im = qwen_vl.configure(cfg).image
     assert im.video_cap_pixels_per_frame and {k: getattr(im, k) for k in flags} == flags
-    told = make_qwen_checkpoint(tmp_path / "told", "qwen3_vl")
+    told = ckpt  # configured above: its video processor now says what the flags said
     (told / "video_preprocessor_config.json").write_text(json.dumps(dict(
         VIDEO_PROCESSOR["qwen3_vl"], fps=2.0, min_frames=3, max_frames=6, max_video_tokens=6,
         size={"shortest_edge": 8 * 32 * 32, "longest_edge": 40 * 32 * 32})))
