@@ -65,8 +65,10 @@ TOLERANCE = {  # comments: worst CE / gradient difference seen, any mode, any ch
     # normalization rounding amplified by the vision tower, as for LLaVA-OneVision: the worst gradients are the
     # vision blocks' and the merger's; fed our own pixels, one sample alone is bit-identical to HF's path and the
     # batch is 1.4e-5 / 1.7e-5 from it (HF's vision tower over several samples' images at once)
-    "qwen3_5": Tolerance(ce=2e-5, grad=3e-5),
-    "qwen3_5_moe": Tolerance(ce=3e-5, grad=8e-5),
+    # about twice the worst seen, as the families above have it (the first bounds, 2e-5 / 3e-5 and 3e-5 / 8e-5, were
+    # within 5-15 % of it: another CPU's rounding would fail them)
+    "qwen3_5": Tolerance(ce=4e-5, grad=6e-5),
+    "qwen3_5_moe": Tolerance(ce=6e-5, grad=1.5e-4),
 }
 TOL = TOLERANCE["qwen2_vl"].ce  # tests/test_ingest.py's (a Qwen2-VL checkpoint) until it reads TOLERANCE itself
 
