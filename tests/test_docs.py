@@ -16,6 +16,8 @@ Directives, HTML comments on the lines right above a fence (docs/contributing.md
 - ``<!-- docs-test: file PATH -->``: the block's text is written to PATH instead (a YAML config).
 - ``<!-- docs-test: replace OLD => NEW -->``: OLD replaced by NEW before running (``s3://bucket/x`` => a folder).
 - ``<!-- docs-test: exit N -->``: the block's last command must exit with N (a documented refusal).
+- ``<!-- docs-test: ran-in PAGE -->``: not run here because PAGE (a docs page, relative to docs/) runs the same
+  commands: each command line of the block must be a command line of a block that PAGE runs (checked).
 - ``<!-- docs-test: prints -->``: the output shown in the next (text) block is checked: each of its lines, cut at
   its first ``...``, must begin a line the block's commands print (figures that are exact on any machine).
 """
@@ -51,11 +53,12 @@ class Block:
     exit: int = 0
     replace: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     prints: bool = False
+    ran_in: str | None = None  # with ``ran-in``: the page whose run covers this block's commands
     expected: str = ""  # with ``prints``: the next block's text, the output the page shows
 
     @property
     def runs(self) -> bool:
-        return self.skip is None and (self.file is not None or self.lang in RUN_LANGS)
+        return self.skip is None and self.ran_in is None and (self.file is not None or self.lang in RUN_LANGS)
 
 
 def doc_pages() -> list[Path]:
@@ -106,6 +109,10 @@ def parse_blocks(text: str, page: str) -> list[Block]:
                 block.exit = int(arg)
             elif name == "prints":
                 block.prints = True
+            elif name == "ran-in":
+                if not (DOCS / arg).is_file():
+                    raise ValueError(f"{page}:{at}: ran-in names no docs page {arg!r}")
+                block.ran_in = arg
             elif name == "replace":
                 old, sep, new = arg.partition(" => ")
                 if not sep:
@@ -366,6 +373,37 @@ def test_parser_reads_directives_for_the_next_fence_only():
         parse_blocks("<!-- docs-test: skip -->\n```bash\nls\n```\n", "t.md")
 
 
+def _command_words(block: Block) -> list[tuple[str, ...]]:
+    """A shell block's commands as words (continuations joined, comments dropped), replacements applied."""
+    text = block.text
+    for old, new in block.replace:
+        text = text.replace(old, new)
+    return [tuple(shlex.split(line, comments=True)) for line in _commands(text)]
+
+
+def test_ran_in_blocks_are_run_by_the_page_they_name():
+    """A ``ran-in PAGE`` block is not run twice: each of its commands, word for word, is a command of a block that
+    PAGE runs, so that page's run is this block's run."""
+    covered = 0
+    for page in doc_pages():
+        for block in parse_blocks(page.read_text(), page.name):
+            if block.ran_in is None:
+                continue
+            target = DOCS / block.ran_in
+            ran = {words for b in parse_blocks(target.read_text(), target.name) if b.runs and b.lang in RUN_LANGS
+                   for words in _command_words(b)}
+            missing = [" ".join(w) for w in _command_words(block) if w not in ran]
+            assert not missing, f"{block.page}:{block.line}: not run by {block.ran_in}: {missing}"
+            covered += 1
+    assert covered >= 1  # the README's tune sweep is budgets.md's
+    bad = "<!-- docs-test: ran-in budgets.md -->\n```bash\nray-mmbatch tune --data elsewhere/ --out x\n```\n"
+    (block,) = parse_blocks(bad, "t.md")
+    assert not block.runs and _command_words(block)[0] not in {
+        w for b in parse_blocks((DOCS / "budgets.md").read_text(), "budgets.md") if b.runs for w in _command_words(b)}
+    with pytest.raises(ValueError, match="names no docs page"):
+        parse_blocks("<!-- docs-test: ran-in nowhere.md -->\n```bash\nls\n```\n", "t.md")
+
+
 def test_local_equivalent_of_a_cluster_command():
     argv = ["--data", "s3://b", "--use-gpu", "--num-workers", "8", "--data-resource", "preprocess", "--epochs", "1"]
     assert local_equivalent(argv) == ["--data", "s3://b", "--num-workers", "2", "--epochs", "1"]
@@ -595,7 +633,7 @@ def test_readme_shows_the_three_ways_and_the_gpu_note():
     recorded."""
     text = (ROOT / "README.md").read_text()
     sections = re.split(r"^## ", text, flags=re.M)
-    blocks = [b for b in parse_blocks(text, "README.md") if b.runs]
+    blocks = [b for b in parse_blocks(text, "README.md") if b.runs or b.ran_in]
     for command, guide in (("ray job submit", "docs/cluster.md"), ("ray start --head", "docs/cluster.md"),
                            ("ray-mmbatch tune", "docs/budgets.md")):
         block = next((b for b in blocks if command in b.text), None)
