@@ -47,7 +47,7 @@ def test_node_preempted_mid_epoch_trains_every_sample_exactly_once(tmp_path, whi
     added: every sample trained or reported once, and the driver showed the progress it got through Ray."""
     from ray_mmbatch.synthetic.generate import generate_dataset
 
-    manifest = generate_dataset(str(tmp_path / "data"), 300, "parquet", seed=5, shard_size=50, workers=1)
+    manifest = generate_dataset(str(tmp_path / "data"), 160, "parquet", seed=5, shard_size=50, workers=1)
     proc = subprocess.run([sys.executable, str(NODE_LOSS), str(tmp_path / "data"), str(tmp_path / "run"), which],
                           capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
     out = _result(proc)
