@@ -106,6 +106,29 @@ def _tokenizer(directory: Path):
     return tok
 
 
+def gemma4_processor(path):
+    """HF's Gemma4Processor for the checkpoint at ``path``: its tokenizer and chat template, the PIL image processor
+    of its processor_config.json, the audio feature extractor; no video processor (HF's needs torchvision)."""
+    from transformers import AutoTokenizer, Gemma4Processor
+    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    class Processor(Gemma4Processor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor":
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    path = Path(path)
+    tok = AutoTokenizer.from_pretrained(str(path))
+    settings = json.loads((path / "processor_config.json").read_text())
+    images = Gemma4ImageProcessorPil(**{k: v for k, v in settings["image_processor"].items()
+                                        if k != "image_processor_type"})
+    return Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
+                     video_processor=None, chat_template=tok.chat_template,
+                     image_seq_length=settings["image_seq_length"])
+
+
 def make_gemma4_checkpoint(directory, initializer_range: float = 0.2, seed: int = 0, text: dict | None = None,
                            vision: dict | None = None, image_processor: dict | None = None) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``text`` / ``vision`` / ``image_processor``

@@ -26,7 +26,14 @@ from ray_mmbatch.config import Config
 from ray_mmbatch.models import gemma4, token_ids
 from tests import family_harness as h
 from tests.family_harness import collate
-from tests.hf_gemma4_checkpoint import MAX_SOFT_TOKENS, PATCH, POOL, SLIDING_WINDOW, make_gemma4_checkpoint
+from tests.hf_gemma4_checkpoint import (
+    MAX_SOFT_TOKENS,
+    PATCH,
+    POOL,
+    SLIDING_WINDOW,
+    gemma4_processor,
+    make_gemma4_checkpoint,
+)
 
 LONG = ("Tell me, in as many words as you like, what you see when you look at the long strip of noise with "
         "one bright red stripe across it, and why a stripe like that would be drawn there at all.")
@@ -44,31 +51,9 @@ BLOCK = ("<|image|>", "<|image><|image|><image|>")
 ckpt, cfg, tok, model, reference, tol = h.family_fixtures(gemma4, make_gemma4_checkpoint)
 
 
-def hf_processor(path):
-    """HF's Gemma4Processor for the checkpoint at ``path``: its tokenizer and chat template, the PIL image processor
-    of its processor_config.json, the audio feature extractor; no video processor (it needs torchvision)."""
-    from transformers import AutoTokenizer, Gemma4Processor
-    from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
-    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
-
-    class Processor(Gemma4Processor):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor":
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
-
-    tok = AutoTokenizer.from_pretrained(str(path))
-    settings = json.loads((path / "processor_config.json").read_text())
-    images = Gemma4ImageProcessorPil(**{k: v for k, v in settings["image_processor"].items()
-                                        if k != "image_processor_type"})
-    return Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
-                     video_processor=None, chat_template=tok.chat_template,
-                     image_seq_length=settings["image_seq_length"])
-
-
 @pytest.fixture(scope="module")
 def processor(ckpt):
-    return hf_processor(ckpt)
+    return gemma4_processor(ckpt)
 
 
 def _hf_inputs(processor, user: str, answer: str, pics: list) -> dict:
