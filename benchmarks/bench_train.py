@@ -58,6 +58,11 @@ views + the global view, 16..272 tokens per image plus its row / col text block)
 with a text model 256 x 4 layers, three Gated DeltaNet (2 key / 4 value heads of 64) and one gated full-attention
 layer (head_dim 64), the tiny test vision tower (32 wide, 2 blocks, 16-px patches), the built-in default's pixel
 bounds; pack mode runs its DeltaNet layers per sample, models/deltanet.py).
+``gemma4-tiny`` builds a random Gemma 4 (``tiny_gemma4_checkpoint``: tests/hf_gemma4_checkpoint with a Gemma 4
+text model 256 x 4 layers (head_dim 64; three sliding-window layers of 512 tokens, one full; per-layer inputs of
+16; logit softcap 30), its vision tower 128 x 2 layers in 16-px patches pooled 3 x 3, max_soft_tokens 70: the
+aspect kept, up to 70 tokens per image, every image padded to 630 patches in the tower; sdpa with explicit
+per-layer masks in pack mode).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -223,6 +228,29 @@ def tiny_qwen3_5_checkpoint(directory: str, seed: int = 0) -> str:
 
 
 TINY_CHECKPOINTS[TINY_QWEN3_5] = tiny_qwen3_5_checkpoint
+
+
+TINY_GEMMA4 = "gemma4-tiny"
+
+
+def tiny_gemma4_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random Gemma 4 checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
+
+    text = {**TINY_TEXT, "head_dim": 64, "global_head_dim": 64, "sliding_window": 512, "num_kv_shared_layers": 0,
+            "hidden_size_per_layer_input": 16, "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}
+    make_gemma4_checkpoint(directory, initializer_range=0.02, seed=seed, text=text,
+                           vision={"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
+                                   "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+                                   "patch_size": 16, "position_embedding_size": 1024},
+                           image_processor={"patch_size": 16})
+    return directory
+
+
+TINY_CHECKPOINTS[TINY_GEMMA4] = tiny_gemma4_checkpoint
 
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
@@ -447,8 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} / "
-                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} (a random Qwen2-VL / InternVL / Gemma 3 / "
-                   "LLaVA-OneVision / SmolVLM / Qwen3.5 built in a temp dir, "
+                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} / {TINY_GEMMA4} (a random Qwen2-VL / "
+                   "InternVL / Gemma 3 / LLaVA-OneVision / SmolVLM / Qwen3.5 / Gemma 4 built in a temp dir, "
                    "see the module header); default: the "
                    "built-in model")
     p.add_argument("--attention", default="sdpa",

@@ -40,7 +40,8 @@ class ImageConfig:
     min_pixels: int = flag("--min-pixels", 4 * 28 * 28)
     """Smart resize lower bound on the resized image area (pixels)."""
     max_pixels: int = flag("--max-pixels", 256 * 28 * 28)
-    """Smart resize upper bound on the resized image area (pixels); bounds image tokens per image."""
+    """Smart resize upper bound on the resized image area (pixels); bounds image tokens per image. resize='budget'
+    (Gemma 4): the patch budget, max_soft_tokens x pooling_kernel_size**2 patches of patch_size**2 pixels."""
     max_header_pixels: int = 89_478_485
     """Refuse (decompression_bomb) any image whose header says more pixels than this. Pillow's own guard stays on."""
     max_decoded_bytes: int = 256 * 2**20
@@ -59,7 +60,9 @@ class ImageConfig:
     or 'anyres' (LLaVA-OneVision: a base tile plus crops of the grid_pinpoints resolution that fits best,
     one padded square tile per image in a sample of several images; tokens from the aspect, see data/image/anyres.py)
     or 'split' (Idefics3 / SmolVLM image splitting: Lanczos to the longest edge max_tiles * image_size, then rows x
-    cols image_size views plus a global view) or 'global' (the same without splitting: one image_size view)."""
+    cols image_size views plus a global view) or 'global' (the same without splitting: one image_size view)
+    or 'budget' (Gemma 4: the aspect kept, bicubic to sides that are multiples of patch_size*merge_size with an
+    area of at most max_pixels, small images scaled up; see data/image/budget.py)."""
     image_size: int = 336
     """resize='fixed' / 'squash' / 'tiles': side of the square image (tile) the vision tower sees (pixels)."""
     min_tiles: int = 1
@@ -158,6 +161,9 @@ class TextConfig:
     video_token: str = ""
     """The token the chat template writes for a video (Qwen-VL ``<|video_pad|>``; one per video in text_ids,
     expanded by materialize); '' = the family takes no video. A ``--model`` checkpoint sets it."""
+    family: str = ""
+    """The checkpoint's model family as messages name it ('Gemma 4'), set by its backend's configure: a sample in a
+    modality the data path does not train (audio) is skipped naming it."""
     image_block: tuple[str, ...] = ()
     """(token, text): the checkpoint's processor writes ``text`` in place of each ``token`` its chat template
     writes for an image, ``text`` holding ``image_token`` once, where the image's tokens go (Gemma 3:

@@ -74,6 +74,7 @@ SKIP_DECOMPRESSION_BOMB = "decompression_bomb"    # header pixel count over the 
 SKIP_CORRUPT_IMAGE = "corrupt_image"              # header fine, pixel data broken / truncated
 SKIP_EXTREME_ASPECT = "extreme_aspect"            # long side / short side > ImageConfig.max_aspect (HF Qwen-VL: 200)
 SKIP_PLACEHOLDER_MISMATCH = "placeholder_mismatch"  # <image> placeholders != number of images
+SKIP_UNSUPPORTED_MODALITY = "unsupported_modality"  # a modality the data path does not train (audio)
 SKIP_TEXT_ENCODING = "text_encoding"              # text cannot be encoded (e.g. lone surrogates)
 SKIP_EMPTY_TEXT = "empty_text"                    # nothing to train on (no target tokens)
 SKIP_OVERSIZE = "oversize"                        # cannot fit any batch and policy is "skip"
@@ -139,6 +140,9 @@ IMAGE_PLACEHOLDER = "<image>"
 # A video's placeholder (LLaVA-Video-178K); the media item it marks must be a video. Some LLaVA-NeXT
 # exports write <image> for a video too: an <image> placeholder takes whatever media item is next.
 VIDEO_PLACEHOLDER = "<video>"
+# An audio clip's slot (an HF messages audio part becomes one): no family trains audio here, so a user turn holding
+# one is skipped (unsupported_modality), naming the checkpoint's family (TextConfig.family), never trained as text.
+AUDIO_PLACEHOLDER = "<audio>"
 
 IGNORE_INDEX = -100
 

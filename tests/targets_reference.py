@@ -148,6 +148,10 @@ def hf_processor(path, model_type: str):
     from transformers import AutoImageProcessor, AutoTokenizer
 
     path = Path(path)
+    if model_type == "gemma4":  # its image processor settings sit in processor_config.json only
+        from tests.hf_gemma4_checkpoint import gemma4_processor
+
+        return gemma4_processor(path)
     tok = AutoTokenizer.from_pretrained(str(path))
     images = AutoImageProcessor.from_pretrained(str(path))
     config = json.loads((path / "config.json").read_text())
@@ -264,6 +268,7 @@ _MARKS = {
     "internvl": ([_open("{{'<|im_start|>' + message['role'] + '\n'}}")], _LOOP_END),
     "gemma3": ([_open("(first_user_prefix if loop.first else \"\") }}\n", "-")],
                "{%- endfor -%}\n{%- if add_generation_prompt -%}"),
+    "gemma4": ([_open("{{- '<|turn>' + role + '\n' -}}\n", "-")], "{%- endfor -%}\n{%- if add_generation_prompt -%}"),
     # "Assistant:" is the cue: the colon goes before the capture, the space after it is the model's to write
     "smolvlm": ([("{{message['role'] | capitalize}}", "{{message['role'] | capitalize}}{{':'}}{% set m %}"),
                  ("{{': ' + message['content']}}", "{{' ' + message['content']}}"),

@@ -13,7 +13,7 @@ included).
 What trains, per family (the last field of ``FAMILIES``): the answer, any text the template writes
 between the generation prompt and the answer (LLaVA-1.5's and SmolVLM's space after ``ASSISTANT:`` / ``Assistant:``,
 LLaVA-OneVision's ``\\n``: the model writes them at inference, right after the prompt) and the
-end-of-turn token (``<|im_end|>``, ``<end_of_turn>``, ``<end_of_utterance>``), which the model must
+end-of-turn token (``<|im_end|>``, ``<end_of_turn>``, ``<turn|>``, ``<end_of_utterance>``), which the model must
 learn to stop on. NOT trained: the whitespace the template writes after the turn (``\\n`` after the
 end-of-turn token; LLaVA-1.5's trailing ``' '``). That is the project's rule (ray_mmbatch/data/text/
 template.py: a span ends at the render through the turn less trailing whitespace; a token is a target
@@ -62,6 +62,7 @@ FAMILIES = {
     "llava_onevision": (("llava_onevision",), "llava_onevision", "llava_onevision", ("\n", "<|im_end|>", "\n")),
     "internvl": (("internvl",), "internvl", "internvl", ("", "<|im_end|>", "\n")),
     "gemma3": (("gemma3",), "gemma3", "gemma3", ("", "<end_of_turn>", "\n")),
+    "gemma4": (("gemma4",), "gemma4", "gemma4", ("", "<turn|>", "\n")),
     "smolvlm": (("idefics3", "smolvlm", True), "smolvlm", "smolvlm", (" ", "<end_of_utterance>", "\n")),
     "idefics3": (("idefics3", "idefics3", False), "idefics3", "smolvlm", (" ", "<end_of_utterance>", "\n")),
     # Qwen3.5: the think block only on the turn after the last user turn, whose generation prompt opens it
@@ -92,6 +93,10 @@ def _make(maker: tuple, d):
         from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
 
         return make_gemma3_checkpoint(d)
+    if maker[0] == "gemma4":
+        from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
+
+        return make_gemma4_checkpoint(d)
     if maker[0] == "qwen3_5":
         from tests.hf_checkpoints import make_qwen3_5_checkpoint
 
@@ -186,15 +191,16 @@ def test_trained_tokens_are_the_assistant_turns(built, family):
 def test_only_llavas_template_has_generation_blocks():
     """Which tiny checkpoints' templates mark ``{% generation %}``: LLaVA-1.5's only (its hub template has them)."""
     from tests.hf_gemma3_checkpoint import GEMMA3
+    from tests.hf_gemma4_checkpoint import GEMMA4
     from tests.hf_idefics3_checkpoint import SMOLVLM
     from tests.hf_internvl_checkpoint import INTERNVL
     from tests.hf_llava_onevision_checkpoint import ONEVISION
 
     has = {name: "{% generation %}" in t for name, t in [
         ("LLAVA", chat_templates.LLAVA), ("QWEN2_VL", chat_templates.QWEN2_VL), ("ONEVISION", ONEVISION),
-        ("INTERNVL", INTERNVL), ("GEMMA3", GEMMA3), ("SMOLVLM", SMOLVLM)]}
+        ("INTERNVL", INTERNVL), ("GEMMA3", GEMMA3), ("GEMMA4", GEMMA4), ("SMOLVLM", SMOLVLM)]}
     assert has == {"LLAVA": True, "QWEN2_VL": False, "ONEVISION": False, "INTERNVL": False, "GEMMA3": False,
-                   "SMOLVLM": False}
+                   "GEMMA4": False, "SMOLVLM": False}
 
 
 def _mask(b, template: str) -> list[int]:

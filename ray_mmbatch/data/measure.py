@@ -177,7 +177,7 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
     rows = list(convs)
     encoded = encode_conversations([convs[i] for i in rows], [len(grids[i]) for i in rows], tok,
                                    train_on_prompt=text_cfg.train_on_prompt, image_token=text_cfg.image_token,
-                                   image_block=tuple(text_cfg.image_block))
+                                   image_block=tuple(text_cfg.image_block), family=text_cfg.family)
     ids: list[np.ndarray] = [_EMPTY_IDS] * n
     target: list[np.ndarray] = [_EMPTY_TARGET] * n
     for i, result in zip(rows, encoded):

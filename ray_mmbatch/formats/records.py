@@ -47,6 +47,7 @@ RAW_ARROW_SCHEMA = pa.schema([
 ])
 IMAGE_PART_TYPES = frozenset({"image", "image_url"})
 VIDEO_PART_TYPES = frozenset({"video", "video_url"})
+AUDIO_PART_TYPES = frozenset({"audio", "input_audio", "audio_url"})  # -> <audio>: measure refuses the sample
 IMAGE, VIDEO = "image", "video"  # a media item's kind (place_media)
 PLACEHOLDERS = {IMAGE: schema.IMAGE_PLACEHOLDER, VIDEO: schema.VIDEO_PLACEHOLDER}
 # file name endings of video containers (WebDataset members; the bytes are told apart again by data/video.is_video)
@@ -111,10 +112,12 @@ def _content_text(content, i: int) -> tuple[str | None, str]:
             out.append(schema.IMAGE_PLACEHOLDER)
         elif kind in VIDEO_PART_TYPES:
             out.append(schema.VIDEO_PLACEHOLDER)
+        elif kind in AUDIO_PART_TYPES:
+            out.append(schema.AUDIO_PLACEHOLDER)
         elif kind == "text" and isinstance(part.get("text"), str):
             out.append(part["text"])
         else:
-            return None, f"turn {i} part {k} is not a text, image or video part"
+            return None, f"turn {i} part {k} is not a text, image, video or audio part"
     return "".join(out), ""
 
 

@@ -45,6 +45,7 @@ REGISTRY: dict[str, str] = {
     "idefics3": "ray_mmbatch.models.idefics3",
     "llava_onevision": "ray_mmbatch.models.llava_onevision",
     "qwen3_5": "ray_mmbatch.models.qwen3_5",
+    "gemma4": "ray_mmbatch.models.gemma4",
 }
 
 

@@ -439,7 +439,20 @@ class HFModel(nn.Module):
     def _target_ce(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str) -> torch.Tensor:
         """CE of the target positions only (our labels are already shifted); fp32 even under autocast, the
         logits of at most ``loss_chunk_tokens`` targets at once (models/loss.py)."""
-        return target_cross_entropy(self.hf_model.lm_head, hidden, labels, reduction, self.loss_chunk_tokens)
+        return target_cross_entropy(self.head(), hidden, labels, reduction, self.loss_chunk_tokens)
+
+    def head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """hidden -> logits as HF's ``*ForConditionalGeneration`` makes them: ``lm_head``, then the language model's
+        ``final_logit_softcapping`` where it has one (Gemma 4: ``cap * tanh(logits / cap)``, HF's order)."""
+        lm_head = self.hf_model.lm_head
+        cap = getattr(self.hf_model.config.get_text_config(), "final_logit_softcapping", None)
+        if not cap:
+            return lm_head
+
+        def capped(hidden: torch.Tensor) -> torch.Tensor:
+            return torch.tanh(lm_head(hidden) / cap) * cap
+
+        return capped
 
     def target_ce(self, batch: dict) -> torch.Tensor:
         """fp32 CE of every target token, in sequence order (row-major over the batch): for exactness checks."""
@@ -454,7 +467,7 @@ class HFModel(nn.Module):
                 videos is None or videos.shape[0] == 0):
             hidden = hidden + 0.0 * sum(p.sum() for m in self.vision_modules() for p in m.parameters())
         if not loss_only:
-            return self.hf_model.lm_head(hidden)
+            return self.head()(hidden)
         labels = batch["labels"]
         return self._target_ce(hidden, labels, "sum"), (labels != IGNORE_INDEX).sum()
 

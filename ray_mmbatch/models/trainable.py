@@ -7,7 +7,8 @@ Parts of a VLM, named as LLaMA-Factory / ms-swift name them (``freeze_vision_tow
                                               HF: vision_tower / visual / vision_model, less the projector
     projector  the merger / projector into   built-in: vision.merge_norm + vision.projector
                the language model            HF: multi_modal_projector, visual.merger (+ Qwen3-VL's
-                                              deepstack mergers), connector (Idefics3)
+                                              deepstack mergers), connector (Idefics3), embed_vision
+                                              (Gemma 4)
     language   the language model with its   every other parameter (embeddings, decoder, norm, head)
                embeddings and head
 
@@ -39,7 +40,8 @@ LORA_FILE = "adapter_model.safetensors"
 # HF attribute paths (on the ForConditionalGeneration) of each part, first match wins per path
 _HF_VISION = ("model.vision_tower", "model.visual", "model.vision_model", "vision_tower", "visual", "vision_model")
 _HF_PROJECTOR = ("model.multi_modal_projector", "model.visual.merger", "model.visual.deepstack_merger_list",
-                 "model.connector", "multi_modal_projector", "visual.merger", "connector")
+                 "model.connector", "model.embed_vision", "multi_modal_projector", "visual.merger", "connector",
+                 "embed_vision")
 
 
 def parse_parts(text: str, what: str = "--freeze") -> tuple[str, ...]:

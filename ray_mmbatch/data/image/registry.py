@@ -11,6 +11,7 @@ import numpy as np
 
 from ray_mmbatch.config import ImageConfig
 from ray_mmbatch.data.image.anyres import ANYRES
+from ray_mmbatch.data.image.budget import BUDGET
 from ray_mmbatch.data.image.core import Resizer, _check_aspect, _load, probe_image
 from ray_mmbatch.data.image.smart import SMART
 from ray_mmbatch.data.image.split import SPLIT
@@ -26,6 +27,7 @@ RESIZERS: dict[str, Resizer] = {
     "anyres": ANYRES,  # LLaVA-OneVision
     "global": GLOBAL,  # Idefics3 / SmolVLM without image splitting
     "split": SPLIT,  # Idefics3 / SmolVLM with image splitting
+    "budget": BUDGET,  # Gemma 4: aspect kept, a patch budget
 }
 RESIZE_MODES = tuple(RESIZERS)
 

@@ -23,8 +23,9 @@ class TextSkip(SampleSkip):
     """A conversation that cannot be used; ``reason`` is a schema.SKIP_* constant."""
 
 
-def conversation_turns(conv: Any, n_images: int) -> list[tuple[str, str]]:
-    """Validate one conversation -> [(role, content)] with exactly n_images placeholders in user turns."""
+def conversation_turns(conv: Any, n_images: int, family: str = "") -> list[tuple[str, str]]:
+    """Validate one conversation -> [(role, content)] with exactly n_images placeholders in user turns; a user turn
+    with an ``<audio>`` slot is refused (unsupported_modality), naming ``family`` (TextConfig.family)."""
     if not isinstance(conv, (list, tuple)):
         raise TextSkip(S.SKIP_MALFORMED_RECORD, f"conversation is {type(conv).__name__}, not a list")
     turns = []
@@ -45,6 +46,10 @@ def conversation_turns(conv: Any, n_images: int) -> list[tuple[str, str]]:
         except UnicodeEncodeError as e:
             raise TextSkip(S.SKIP_TEXT_ENCODING, f"turn {i}: {e.reason} at {e.start}") from None
         turns.append((role, content))
+    audio = next((i for i, (r, c) in enumerate(turns) if r == USER and S.AUDIO_PLACEHOLDER in c), None)
+    if audio is not None:
+        raise TextSkip(S.SKIP_UNSUPPORTED_MODALITY, f"audio in turn {audio}: {family or 'this model'} is trained on "
+                       "text and images here, not audio")
     # The placeholder rule (one place): user turns hold exactly one <image> per image, or none (then
     # the images go first in the first user turn). More placeholders than images - a sample that lost
     # its image on the way (null column, missing member or field) - is skipped, never trained as text.

@@ -170,14 +170,16 @@ def _encoder(tok, image_token: str, image_block: tuple[str, ...] = ()) -> DataEn
 
 def encode_conversations(convs: list, n_images: list[int], tok, train_on_prompt: bool = False,
                          image_token: str = S.IMAGE_PAD,
-                         image_block: tuple[str, ...] = ()) -> list[tuple[np.ndarray, np.ndarray] | TextSkip]:
+                         image_block: tuple[str, ...] = (),
+                         family: str = "") -> list[tuple[np.ndarray, np.ndarray] | TextSkip]:
     """Per sample: (ids int32[N], target uint8[N]) with ONE image_token per image, or the TextSkip why not.
 
     The format (template or plain) is the one ``tok`` was loaded for (load_tokenizer).
     All text of all samples is encoded in one batched call (deduplicated). Every piece
     (text stretch or token id) becomes an index into one table of id arrays, so the
     per-sample work is numpy over those indices (lengths, leak check, target mask) plus
-    one concatenate; the special-token leak check is one ``np.isin`` for the whole batch.
+    one concatenate; the special-token leak check is one ``np.isin`` for the whole batch. ``family``: the
+    checkpoint family a refused modality's skip names (TextConfig.family).
     """
     enc = _encoder(tok, image_token, tuple(image_block))
     results: list[Any] = [None] * len(convs)
@@ -185,7 +187,7 @@ def encode_conversations(convs: list, n_images: list[int], tok, train_on_prompt:
     table_index: dict[str | int, int] = {}  # text stretch (str) or token id (int) -> table row
     for i, (conv, k) in enumerate(zip(convs, n_images)):
         try:
-            turns = conversation_turns(conv, int(k))
+            turns = conversation_turns(conv, int(k), family)
             pieces = (template_pieces if enc.template else plain_pieces)(turns, int(k) > 0, train_on_prompt, enc)
         except TextSkip as e:
             results[i] = e
