@@ -416,3 +416,14 @@ def test_the_model_takes_a_batch_as_local_batches_yields_it(family, tmp_path):
         ce_t, n_t = model(batch_to_torch(batch, "cpu"), loss_only=True)
     assert int(n) == int(n_t) == int(batch["target_tokens"]) > 0
     assert torch.allclose(ce, ce_t)
+
+
+def test_configure_again_on_a_configured_config_changes_nothing(family):
+    """configure is run again on a Config it configured (local_batches, workers): what it adopted from the checkpoint
+    (max_video_tokens, fps) is not read as the user's --video-max-tokens / --video-fps the second time (Qwen3-VL's
+    per-frame cap turned itself on)."""
+    import copy
+
+    cfg = qwen_vl.configure(_fresh(family.path))
+    again = qwen_vl.configure(copy.deepcopy(cfg))
+    assert again.image == cfg.image and again.text == cfg.text

@@ -200,8 +200,11 @@ def adopt_video_settings(cfg, video: dict[str, Any], where: str, family: str, de
         raise ValueError(f"--video-loader {cfg.image.video_loader!r}: one of {', '.join(VIDEO_LOADERS)} (how HF's "
                          "loader of that name reads a clip: docs/data.md)")
     get = {k: video.get(k, d) for k, d in defaults.items()}
-    if cfg.image.video_fps is not None or cfg.image.video_num_frames is not None:
-        get["do_sample_frames"] = True  # the user's --video-fps samples at that rate (HF needs do_sample_frames)
+    # the user's --video-fps / --video-num-frames sample at that rate (HF needs do_sample_frames); a value equal to the
+    # checkpoint's is not the user's (configure runs again on a configured Config: what it adopted stays as it was)
+    if (cfg.image.video_fps not in (None, get["fps"] if get["fps"] is None else float(get["fps"]))
+            or cfg.image.video_num_frames not in (None, get["num_frames"])):
+        get["do_sample_frames"] = True
     pixels = pixel_settings(video, where, family, resample=3, mean=defaults["image_mean"], std=defaults["image_std"],
                             always=("do_resize", "do_convert_rgb")) if video else \
         {k: tuple(float(v) for v in defaults[k]) for k in ("image_mean", "image_std")}

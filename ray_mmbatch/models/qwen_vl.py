@@ -156,7 +156,10 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
     adopt_setting(cfg, "image.video_max_pixels", int(hi), f"{where} size longest_edge", user_may_override=True)
     # --video-max-tokens turns the per-frame share of it on (HF's cap_pixels_per_frame), as --video-fps turns
     # sampling on: a cap the user sets is never accepted and ignored
-    cap = bool(get["cap_pixels_per_frame"]) or user_set(cfg, "image.video_max_tokens")
+    # (a value equal to the checkpoint's is not the user's: configure runs again on a configured Config, and must
+    # not read the max_video_tokens it adopted the first time as the user's cap)
+    cap = bool(get["cap_pixels_per_frame"]) or (user_set(cfg, "image.video_max_tokens")
+                                                and cfg.image.video_max_tokens != int(get["max_video_tokens"]))
     adopt_setting(cfg, "image.video_cap_pixels_per_frame", cap, f"{where} cap_pixels_per_frame", user_may_override=True)
     adopt_setting(cfg, "image.video_max_tokens", int(get["max_video_tokens"]), f"{where} max_video_tokens",
                   user_may_override=True)
