@@ -58,52 +58,9 @@ def configure(cfg):
     tokenizer (the checkpoint's unless --tokenizer), the image token (config.json image_token_id). Video is not
     taken for this family yet (a sample with video is skipped as for an image-only family). Idempotent.
     """
-    from ray_mmbatch.data.text.tokenizer import load_tokenizer
-    from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files
-    from ray_mmbatch.models.qwen_vl import (
-        _PROCESSOR_DEFAULTS,
-        _check_processor_steps,
-        _checkpoint_image_token,
-        _pixel_bounds,
-    )
+    from ray_mmbatch.models.qwen_vl import configure_qwen
 
-    path = cfg.model.path
-    if not path:
-        raise ValueError("the qwen3_5 backend needs model.path (--model): a local Qwen3.5 checkpoint directory")
-    model_json, processor = checkpoint_files(path)
-    model_type = model_json.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not a Qwen3.5 model {MODEL_TYPES}")
-    if not processor:
-        raise ValueError(f"{path}: no preprocessor_config.json (nor processor_config.json): the image "
-                         "processor's settings (pixel bounds, mean/std) are unknown; copy it from the base model")
-    _check_processor_steps(path, processor)
-    where_model, where_proc = f"{path}/config.json vision_config", f"{path} image processor"
-    adopt_setting(cfg, "image.resize", "smart", f"{path} ({model_type}: Qwen-VL dynamic resolution)")
-    for key, value in _vision_geometry(path, model_json, processor).items():
-        adopt_setting(cfg, f"image.{key}", value, f"{where_model} {key}")
-    lo, hi = _pixel_bounds(processor)
-    adopt_setting(cfg, "image.min_pixels", lo, f"{where_proc} min_pixels", user_may_override=True)
-    adopt_setting(cfg, "image.max_pixels", hi, f"{where_proc} max_pixels", user_may_override=True)
-    for key in ("image_mean", "image_std"):
-        adopt_setting(cfg, f"image.{key}", processor.get(key, _PROCESSOR_DEFAULTS[key]), f"{where_proc} {key}")
-
-    image_token_id = int(model_json.get("image_token_id", -1))
-    if image_token_id < 0:
-        raise ValueError(f"{path}/config.json has no image_token_id")
-    adopt_setting(cfg, "text.image_token", _checkpoint_image_token(path, image_token_id),
-                  f"{path} tokenizer, token id {image_token_id} (config.json image_token_id)")
-    if not cfg.text.tokenizer:
-        cfg.text.tokenizer = path
-    tok = load_tokenizer(cfg.text.tokenizer)
-    got = tok.convert_tokens_to_ids(cfg.text.image_token)
-    if got != image_token_id:
-        raise ValueError(f"--tokenizer {cfg.text.tokenizer}: its {cfg.text.image_token} is id {got}, but the model's "
-                         f"image_token_id is {image_token_id} ({path}/config.json); use the checkpoint's tokenizer")
-    vocab = int((model_json.get("text_config") or model_json).get("vocab_size", 0))
-    if vocab and len(tok) > vocab:
-        raise ValueError(f"tokenizer {cfg.text.tokenizer} has {len(tok)} tokens but the model embeds {vocab}")
-    return cfg
+    return configure_qwen(cfg, "qwen3_5", "Qwen3.5", MODEL_TYPES, _vision_geometry)
 
 
 def _adapter_class():

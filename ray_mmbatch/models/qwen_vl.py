@@ -192,23 +192,29 @@ def configure(cfg):
     the checkpoint is refused; min/max pixels are a free choice (the user's value wins).
     Idempotent.
     """
+    return configure_qwen(cfg, "qwen_vl", "Qwen-VL", MODEL_TYPES, _vision_geometry, VIDEO_MODEL_TYPES)
+
+
+def configure_qwen(cfg, backend: str, family: str, model_types: tuple, geometry, video_types: tuple = ()):
+    """``configure`` of the Qwen-style backends (this one, models/qwen3_5.py): ``geometry(path, config.json,
+    processor)`` gives the vision sizes; video is taken for ``video_types`` (this module's _configure_video)."""
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files
 
     path = cfg.model.path
     if not path:
-        raise ValueError("the qwen_vl backend needs model.path (--model): a local Qwen-VL checkpoint directory")
+        raise ValueError(f"the {backend} backend needs model.path (--model): a local {family} checkpoint directory")
     model_json, processor = checkpoint_files(path)
     model_type = model_json.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type {model_type!r} is not a Qwen-VL model {MODEL_TYPES}")
+    if model_type not in model_types:
+        raise ValueError(f"{path}: model_type {model_type!r} is not a {family} model {model_types}")
     if not processor:
         raise ValueError(f"{path}: no preprocessor_config.json (nor processor_config.json): the image "
                          "processor's settings (pixel bounds, mean/std) are unknown; copy it from the base model")
     _check_processor_steps(path, processor)
     where_model, where_proc = f"{path}/config.json vision_config", f"{path} image processor"
     adopt_setting(cfg, "image.resize", "smart", f"{path} ({model_type}: Qwen-VL dynamic resolution)")
-    for key, value in _vision_geometry(path, model_json, processor).items():
+    for key, value in geometry(path, model_json, processor).items():
         adopt_setting(cfg, f"image.{key}", value, f"{where_model} {key}")
     lo, hi = _pixel_bounds(processor)
     adopt_setting(cfg, "image.min_pixels", lo, f"{where_proc} min_pixels", user_may_override=True)
@@ -229,7 +235,7 @@ def configure(cfg):
         raise ValueError(f"--tokenizer {cfg.text.tokenizer}: its {cfg.text.image_token} is id {got}, but the model's "
                          f"image_token_id is {image_token_id} ({path}/config.json); use the checkpoint's tokenizer")
     video_token_id = int(model_json.get("video_token_id", -1))
-    if model_type in VIDEO_MODEL_TYPES and video_token_id >= 0:
+    if model_type in video_types and video_token_id >= 0:
         adopt_setting(cfg, "text.video_token", str(tok.convert_ids_to_tokens(video_token_id)),
                       f"{path} tokenizer, token id {video_token_id} (config.json video_token_id)")
         _configure_video(cfg, path, model_type)
