@@ -29,6 +29,7 @@ tokenizer. Importing this module imports no torch.
 from __future__ import annotations
 
 from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
+from ray_mmbatch.models.qwen_vl import _vision_modules, vision_modules  # noqa: F401 (the backend protocol's)
 
 NAME = "qwen3_5"
 MODEL_TYPES: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe")
@@ -87,31 +88,16 @@ def _adapter_class():
     return Qwen35Adapter
 
 
-def _vision_modules(hf_model) -> list:
-    return [hf_model.model.visual]
-
-
-def vision_modules(model) -> list:
-    """The vision tower of the HFModel: a batch without images does not run it."""
-    return _vision_modules(model.hf_model)
-
-
 fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
 
 
 def create_model(cfg, ids: dict):
     """The checkpoint's Qwen3_5(Moe)ForConditionalGeneration in HFModel, its DeltaNet layers segment-aware."""
     from ray_mmbatch.models import deltanet
-    from ray_mmbatch.models.hf_common import load_checked, wrap
+    from ray_mmbatch.models.hf_common import wrap
+    from ray_mmbatch.models.qwen_vl import load_qwen
 
-    hf = load_checked(cfg, ids, hint="run configure(cfg) with the checkpoint's tokenizer")
-    vision = hf.config.vision_config
-    for key, want in (("patch_size", vision.patch_size), ("merge_size", vision.spatial_merge_size),
-                      ("temporal_patch_size", vision.temporal_patch_size)):
-        if getattr(cfg.image, key) != want:
-            raise ValueError(f"image.{key} is {getattr(cfg.image, key)} but the model's is {want}: "
-                             "call configure(cfg) before create_model")
-    hf.config.use_cache = False
+    hf = load_qwen(cfg, ids)
     layers = deltanet.install(hf)
     if not layers:
         raise ValueError(f"{cfg.model.path}: no Gated DeltaNet layer found in {type(hf).__name__}")

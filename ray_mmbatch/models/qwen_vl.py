@@ -340,19 +340,28 @@ def vision_modules(model) -> list:
 fsdp_units, state_prefix = hf_fsdp_units, hf_state_prefix
 
 
-def create_model(cfg, ids: dict):
-    """The checkpoint's *ForConditionalGeneration wrapped in HFModel with the Qwen adapter."""
-    from ray_mmbatch.models.hf_common import load_checked, wrap
+def load_qwen(cfg, ids: dict):
+    """The checkpoint's HF model (load_checked), its vision sizes checked against the configured ones, no cache:
+    the Qwen-style backends' (this one, models/qwen3_5.py) start of create_model."""
+    from ray_mmbatch.models.hf_common import load_checked
 
     hf = load_checked(cfg, ids, hint="run configure(cfg) with the checkpoint's tokenizer")
-    config = hf.config
-    vision = config.vision_config
+    vision = hf.config.vision_config
     for key, want in (("patch_size", vision.patch_size), ("merge_size", vision.spatial_merge_size),
                       ("temporal_patch_size", vision.temporal_patch_size)):
         if getattr(cfg.image, key) != want:
             raise ValueError(f"image.{key} is {getattr(cfg.image, key)} but the model's is {want}: "
                              "call configure(cfg) before create_model")
     hf.config.use_cache = False
+    return hf
+
+
+def create_model(cfg, ids: dict):
+    """The checkpoint's *ForConditionalGeneration wrapped in HFModel with the Qwen adapter."""
+    from ray_mmbatch.models.hf_common import wrap
+
+    hf = load_qwen(cfg, ids)
+    config = hf.config
     adapter = QwenAdapter(hf.model, config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
                           cfg.image.temporal_patch_size, getattr(config, "video_token_id", -1),
                           cfg.image.video_mean, cfg.image.video_std, seconds=config.model_type == "qwen2_5_vl")
