@@ -58,6 +58,9 @@ views + the global view, 16..272 tokens per image plus its row / col text block)
 with a text model 256 x 4 layers, three Gated DeltaNet (2 key / 4 value heads of 64) and one gated full-attention
 layer (head_dim 64), the tiny test vision tower (32 wide, 2 blocks, 16-px patches), the built-in default's pixel
 bounds; pack mode runs its DeltaNet layers per sample, models/deltanet.py).
+``qwen3_vl_moe-tiny`` builds a random Qwen3-VL-MoE (``tiny_qwen3_vl_moe_checkpoint``: tests/hf_checkpoints with a
+text model 256 x 4 layers (head_dim 64), each MLP 8 experts of 384, top 2, the tiny test vision tower (32 wide, 2
+blocks, 16-px patches, deepstack), the built-in default's pixel bounds).
 ``gemma4-tiny`` builds a random Gemma 4 (``tiny_gemma4_checkpoint``: tests/hf_gemma4_checkpoint with a Gemma 4
 text model 256 x 4 layers (head_dim 64; three sliding-window layers of 512 tokens, one full; per-layer inputs of
 16; logit softcap 30), its vision tower 128 x 2 layers in 16-px patches pooled 3 x 3, max_soft_tokens 70: the
@@ -228,6 +231,28 @@ def tiny_qwen3_5_checkpoint(directory: str, seed: int = 0) -> str:
 
 
 TINY_CHECKPOINTS[TINY_QWEN3_5] = tiny_qwen3_5_checkpoint
+
+
+TINY_QWEN3_VL_MOE = "qwen3_vl_moe-tiny"
+
+
+def tiny_qwen3_vl_moe_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random Qwen3-VL-MoE checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_checkpoints import make_qwen_checkpoint
+
+    image = Config().image
+    text = {**TINY_TEXT, "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
+                                "mrope_interleaved": True}}
+    make_qwen_checkpoint(directory, "qwen3_vl_moe", initializer_range=0.02, seed=seed, text=text, image_processor={
+        "size": {"shortest_edge": image.min_pixels, "longest_edge": image.max_pixels}})
+    return directory
+
+
+TINY_CHECKPOINTS[TINY_QWEN3_VL_MOE] = tiny_qwen3_vl_moe_checkpoint
 
 
 TINY_GEMMA4 = "gemma4-tiny"
@@ -475,8 +500,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} / "
-                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} / {TINY_GEMMA4} (a random Qwen2-VL / "
-                   "InternVL / Gemma 3 / LLaVA-OneVision / SmolVLM / Qwen3.5 / Gemma 4 built in a temp dir, "
+                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} / {TINY_GEMMA4} / {TINY_QWEN3_VL_MOE} (a "
+                   "random Qwen2-VL / InternVL / Gemma 3 / LLaVA-OneVision / SmolVLM / Qwen3.5 / Gemma 4 / "
+                   "Qwen3-VL-MoE built in a temp dir, "
                    "see the module header); default: the "
                    "built-in model")
     p.add_argument("--attention", default="sdpa",

@@ -18,21 +18,24 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
-QWEN_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+QWEN_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+_QWEN3 = ("qwen3_vl", "qwen3_vl_moe")  # MoE: Qwen3-VL's vision side and layout, 4 experts of 32, top 2, every layer
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 2, 4, 2, 16
 
 
 def _text_config(model_type: str, vocab: int, tok, init: float) -> dict:
-    mrope = {"qwen3_vl": {"mrope_section": [4, 2, 2], "mrope_interleaved": True}}.get(
-        model_type, {"mrope_section": [2, 3, 3]})  # sums to HEAD_DIM / 2
+    mrope = ({"mrope_section": [4, 2, 2], "mrope_interleaved": True} if model_type in _QWEN3
+             else {"mrope_section": [2, 3, 3]})  # sums to HEAD_DIM / 2
     text = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
                 num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2048,
                 initializer_range=init, rms_norm_eps=1e-6, pad_token_id=tok.pad_token_id,
                 bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
                 eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, **mrope})
-    if model_type == "qwen3_vl":
+    if model_type in _QWEN3:
         text["head_dim"] = HEAD_DIM
+    if model_type == "qwen3_vl_moe":
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)
     return text
 
 
@@ -79,8 +82,9 @@ def small_text_config(tok, initializer_range: float, max_positions: int, overrid
 
 
 def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 0.2, seed: int = 0,
-                         image_processor: dict | None = None) -> Path:
-    """Write the checkpoint into ``directory`` and return it; ``image_processor`` overrides processor fields."""
+                         image_processor: dict | None = None, text: dict | None = None) -> Path:
+    """Write the checkpoint into ``directory`` and return it; ``image_processor`` overrides processor fields,
+    ``text`` text_config fields (benchmarks/bench_train.py widens the model)."""
     import torch
     from tokenizers import AddedToken
     from transformers import AutoConfig, AutoModelForImageTextToText
@@ -102,8 +106,11 @@ def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     vocab = -(-len(tok) // 8) * 8  # HF checkpoints pad the vocabulary beyond the tokenizer, too
-    config = AutoConfig.for_model(model_type, text_config=_text_config(model_type, vocab, tok, initializer_range),
-                                  vision_config=_vision_config(model_type, initializer_range),
+    text_config = {**_text_config(model_type, vocab, tok, initializer_range), **(text or {})}
+    vision_config = dict(_vision_config(model_type, initializer_range),
+                         **({"out_hidden_size": text_config["hidden_size"]} if model_type in _QWEN3 else {}))
+    config = AutoConfig.for_model(model_type, text_config=text_config,
+                                  vision_config=vision_config,
                                   initializer_range=initializer_range, tie_word_embeddings=False, **ids)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
@@ -114,7 +121,7 @@ def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 
     processor_kw = {"patch_size": patch, "merge_size": config.vision_config.spatial_merge_size,
                     "temporal_patch_size": config.vision_config.temporal_patch_size,
                     "size": {"shortest_edge": 4 * factor * factor, "longest_edge": 64 * factor * factor}}
-    if model_type == "qwen3_vl":
+    if model_type in _QWEN3:
         processor_kw.update(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     processor_kw.update(image_processor or {})
     Qwen2VLImageProcessorPil(**processor_kw).save_pretrained(d)

@@ -296,43 +296,9 @@ def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tmp_path):
     """--freeze: vision = the tower, projector = embed_vision; LoRA (default: the language model's linear layers)
     trains adapters only, a packed batch stays exact against each sample alone through the adapted HF model, and
     the exported adapter reloads with PEFT."""
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    from ray_mmbatch.models import trainable as T
-
-    frozen = gemma4.create_model(cfg, token_ids(cfg))
-    parts = T.part_parameters(frozen)
-    assert parts["vision"] and all(".vision_tower." in n for n, _ in parts["vision"])
-    assert parts["projector"] and all(".embed_vision." in n for n, _ in parts["projector"])
-    T.freeze(frozen, "vision,projector")
-    assert {n for n, p in frozen.named_parameters() if not p.requires_grad} == \
-        {n for k in ("vision", "projector") for n, _ in parts[k]}
-
-    lcfg = copy.deepcopy(cfg)
-    lcfg.model.lora_rank, lcfg.model.lora_alpha = 4, 8.0
-    model = gemma4.create_model(lcfg, token_ids(cfg)).eval()
-    T.configure_trainable(model, lcfg)
-    trains = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trains and all("lora_" in n for n in trains) and any(".self_attn.q_proj." in n for n in trains)
-    torch.manual_seed(2)
-    with torch.no_grad():  # lora_B starts at zero: draw it so the adapters change the model
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.5)
-    samples, hf, _ = built
-    with torch.no_grad():
-        want = torch.cat([h.reference_ce(model.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf)])
-        ce = model.target_ce(collate("pack", samples, tok.pad_token_id))
-    assert (ce - want).abs().max().item() < h.TOLERANCE["gemma4"].ce
-    assert (want - torch.cat([h.reference_ce(frozen.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf)])
-            ).abs().max().item() > 1e-2  # the adapters matter
-    d = T.export_adapter(model, tmp_path / "adapter", lcfg.model.path)
-    base = AutoModelForImageTextToText.from_pretrained(lcfg.model.path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(d)).merge_and_unload().eval()
-    with torch.no_grad():
-        back = torch.cat([h.reference_ce(merged, s["labels"], **kw) for s, kw in zip(samples, hf)])
-    assert (back - want).abs().max().item() < 1e-4
+    h.check_freeze_and_lora(gemma4, cfg, token_ids(cfg), built[0], built[1],
+                            {"vision": ".vision_tower.", "projector": ".embed_vision."}, ".self_attn.q_proj.",
+                            h.TOLERANCE["gemma4"].ce, tmp_path, scale=0.5)
 
 
 def test_the_public_api_loads_it(ckpt, built, reference, tok, tol):

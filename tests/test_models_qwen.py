@@ -303,12 +303,12 @@ def test_gradient_checkpointing_gives_the_same_gradients(family):
 # ------------------------------------------------------------------ configure
 def test_configure_reads_the_checkpoint(family):
     cfg, path = family.cfg, str(family.path)
-    patch = 16 if family.name == "qwen3_vl" else 14
+    patch = 16 if family.name.startswith("qwen3_vl") else 14
     assert (cfg.image.resize, cfg.image.patch_size, cfg.image.merge_size, cfg.image.temporal_patch_size) == \
         ("smart", patch, 2, 2)
     factor = patch * 2
     assert (cfg.image.min_pixels, cfg.image.max_pixels) == (4 * factor ** 2, 64 * factor ** 2)
-    mean = (0.5,) * 3 if family.name == "qwen3_vl" else (0.48145466, 0.4578275, 0.40821073)
+    mean = (0.5,) * 3 if family.name.startswith("qwen3_vl") else (0.48145466, 0.4578275, 0.40821073)
     assert np.allclose(cfg.image.image_mean, mean)
     assert cfg.text.tokenizer == path and cfg.text.image_token == "<|image_pad|>"
     again = qwen_vl.configure(cfg)  # idempotent: configured values are not "user changes"
@@ -427,3 +427,35 @@ def test_configure_again_on_a_configured_config_changes_nothing(family):
     cfg = qwen_vl.configure(_fresh(family.path))
     again = qwen_vl.configure(copy.deepcopy(cfg))
     assert again.image == cfg.image and again.text == cfg.text
+
+
+# ------------------------------------------------------------------ Qwen3-VL-MoE (issue 45, item 5)
+@pytest.mark.parametrize("family", ["qwen3_vl_moe"], indirect=True)
+def test_moe_freeze_and_lora_keep_packing_exact(family, tmp_path):
+    """Qwen3-VL-MoE: --freeze as for Qwen3-VL; LoRA's default targets are the language model's nn.Linear layers,
+    so attention is adapted and the routed experts (fused parameters, not nn.Linear) and the router stay frozen,
+    as PEFT's all-linear leaves them; a packed batch stays exact through the adapted model, the adapter reloads."""
+    samples = family.samples[:2]  # text only, one image; our pixels (packing alone is judged, as for Qwen3.5)
+    hf = []
+    for s in samples:
+        ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[None]
+        kw = {}
+        if len(s["grids"]):
+            kw = {"pixel_values": normalize_patches(torch.as_tensor(s["patches"]), family.cfg.image.image_mean,
+                                                    family.cfg.image.image_std, family.cfg.image.temporal_patch_size),
+                  "image_grid_thw": torch.as_tensor(s["grids"], dtype=torch.long),
+                  "mm_token_type_ids": (ids == family.ids["image_token_id"]).int()}
+        hf.append(kw | {"input_ids": s["input_ids"]})
+    trains = h.check_freeze_and_lora(qwen_vl, family.cfg, family.ids, samples, hf,
+                                     {"vision": lambda n: ".visual." in n and "merger" not in n,
+                                      "projector": lambda n: ".visual.merger." in n or ".deepstack_merger_list." in n},
+                                     ".self_attn.q_proj.", family.tol.ce, tmp_path)
+    assert not any(".mlp.experts." in n or ".mlp.gate." in n for n in trains)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe"], indirect=True)
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_moe_verify_packing_through_the_data_path(family, tmp_path_factory, mode, capsys):
+    data = h.generated_data(tmp_path_factory, "qwen3_vl_moe_verify_data")
+    report = h.verify_packing(family.path, data, mode, 1024, capsys, family.tol)
+    assert mode == "pad" or report["samples"] > report["batches"]  # a real pack among them

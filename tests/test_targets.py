@@ -58,6 +58,7 @@ FAMILIES = {
     "qwen2_vl": (("qwen", "qwen2_vl"), "qwen2_vl", "qwen", ("", "<|im_end|>", "\n")),
     "qwen2_5_vl": (("qwen", "qwen2_5_vl"), "qwen2_5_vl", "qwen", ("", "<|im_end|>", "\n")),
     "qwen3_vl": (("qwen", "qwen3_vl"), "qwen3_vl", "qwen", ("", "<|im_end|>", "\n")),
+    "qwen3_vl_moe": (("qwen", "qwen3_vl_moe"), "qwen3_vl", "qwen", ("", "<|im_end|>", "\n")),
     "llava": (("llava",), "llava", None, (" ", "", " ")),
     "llava_onevision": (("llava_onevision",), "llava_onevision", "llava_onevision", ("\n", "<|im_end|>", "\n")),
     "internvl": (("internvl",), "internvl", "internvl", ("", "<|im_end|>", "\n")),

@@ -62,6 +62,7 @@ VIDEO_PROCESSOR = {"qwen2_vl": _QWEN2_VIDEO, "qwen2_5_vl": _QWEN2_VIDEO,
                    "qwen3_vl": dict(_QWEN2_VIDEO, video_processor_type="Qwen3VLVideoProcessor", patch_size=16,
                                     size={"shortest_edge": 8 * 32 * 32, "longest_edge": 96 * 32 * 32},
                                     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])}
+VIDEO_PROCESSOR["qwen3_vl_moe"] = VIDEO_PROCESSOR["qwen3_vl"]  # Qwen3-VL-MoE ships Qwen3-VL's processors
 
 
 def _clips() -> dict[str, bytes]:
@@ -597,6 +598,13 @@ def test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family,
     assert diff <= family.tol.ce, diff
     if mode == "pack":  # controls: a naive pack (positions restarting, no M-RoPE) is visibly off
         _naive_pack_controls(family, batch, want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe"], indirect=True)
+def test_qwen3_vl_moe_takes_video_as_qwen3_vl_does(family, clips):
+    """Qwen3-VL-MoE: Qwen3-VL's video settings and timestamps, and a packed batch of clips and images exact."""
+    assert family.cfg.image.video == "qwen3_vl" and family.cfg.text.video_token == "<|video_pad|>"
+    test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, "pack")
 
 
 def _naive_pack_controls(family, batch: dict, want: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""Qwen-VL backend (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): checkpoint settings, the exact packed forward, export.
+"""Qwen-VL backend (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE): checkpoint settings, the exact packed forward,
+export.
 
 A packed batch drives HF's model exactly as if each sample ran alone when it gets (checked per
 token against HF's own single-sample path in tests/test_models_qwen.py)::
@@ -21,6 +22,11 @@ Qwen2.5-VL silently falls back to 1-D positions). Pixels: uint8 patches normaliz
 Qwen3-VL needs nothing more: its deepstack features are scattered at the image-token positions in
 sequence order and its vision tower, like the others, attends within each image only.
 
+Qwen3-VL-MoE (``qwen3_vl_moe``) is Qwen3-VL in front of a sparse MoE text model: every setting and the packed
+forward are Qwen3-VL's. Its loss is the cross-entropy only: HF adds the router's load-balancing loss only with
+``output_router_logits``, which stays off; a packed row would balance over all its samples' tokens, a padded batch
+over its rows, so neither equals the per-sample sum that exactness is stated on (as models/qwen3_5.py's MoE).
+
 Cost: pack mode runs one ``get_rope_index`` per sample that has images (a Python pass over that
 sample's token types, on a CPU copy of the ids) and an arange for text-only samples; HF does
 the same pass per row in pad mode. ``configure`` reads two JSON files and the tokenizer.
@@ -34,7 +40,10 @@ from typing import Any
 from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "qwen_vl"
-MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+# Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B) is Qwen3-VL's vision side, processors and token layout in front of
+# a sparse MoE text model: every setting and the packed forward are Qwen3-VL's (the MoE note: module docstring)
+_SAME_AS = {"qwen3_vl_moe": "qwen3_vl"}
 
 # HF's Qwen2VLImageProcessor defaults, for keys a preprocessor_config.json leaves out
 _PROCESSOR_DEFAULTS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
@@ -51,7 +60,7 @@ def _vision_geometry(path: str, model_json: dict, processor: dict) -> dict[str, 
     """patch / merge / temporal sizes: config.json's vision_config (what the model is built with; a key
     it leaves out takes HF's class default), which the image processor must agree with."""
     vision = model_json.get("vision_config") or {}
-    defaults = _VISION_DEFAULTS[model_json["model_type"]]
+    defaults = _VISION_DEFAULTS[_SAME_AS.get(model_json["model_type"], model_json["model_type"])]
     geometry = {"patch_size": vision.get("patch_size", vision.get("spatial_patch_size")),
                 "merge_size": vision.get("spatial_merge_size"),
                 "temporal_patch_size": vision.get("temporal_patch_size")}
@@ -101,7 +110,7 @@ _VIDEO_DEFAULTS = {"qwen2_vl": _QWEN2_VIDEO, "qwen2_5_vl": _QWEN2_VIDEO,
 # class defaults would take every frame at the image bounds (up to 12.8 MP a frame); users sample as this does
 # (LLaMA-Factory's video_fps / video_maxlen / video_max_pixels and ms-swift's FPS / FPS_MAX_FRAMES too).
 QWEN_VL_UTILS_VIDEO = dict(_QWEN2_VIDEO, do_sample_frames=True, fps=2.0, cap_pixels_per_frame=True)
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 _PROCESSOR_CLASS = {"qwen2_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
 
 
@@ -136,17 +145,18 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
 
     if model_type not in VIDEO_MODEL_TYPES:
         return
+    base = _SAME_AS.get(model_type, model_type)
     video, where = video_processor_settings(path)
     where = f"{path} {where}"
-    defaults = _VIDEO_DEFAULTS[model_type]
-    if model_type != "qwen3_vl" and not has_video_settings(video):  # as published: qwen-vl-utils' sampling
+    defaults = _VIDEO_DEFAULTS[base]
+    if base != "qwen3_vl" and not has_video_settings(video):  # as published: qwen-vl-utils' sampling
         defaults, where = QWEN_VL_UTILS_VIDEO, f"qwen-vl-utils' video defaults ({path} ships no video settings)"
         video = {k: v for k, v in video.items() if k not in _IMAGE_BOUNDS}  # the image bounds are not the video's
     size = video.get("size") or {}
     get = {k: video.get(k, d) for k, d in defaults.items()}
     lo = video.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or get["shortest_edge"]
     hi = video.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or get["longest_edge"]
-    sampler = "qwen3_vl" if model_type == "qwen3_vl" else "qwen2_vl"
+    sampler = "qwen3_vl" if base == "qwen3_vl" else "qwen2_vl"
     adopt_setting(cfg, "image.video", sampler, f"{path} ({model_type}: HF {_PROCESSOR_CLASS[sampler]})")
     adopt_video_settings(cfg, video, where, model_type, defaults)
     # how a clip is sampled and capped is the user's choice (as qwen-vl-utils' and HF's call arguments are)
