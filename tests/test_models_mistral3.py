@@ -199,6 +199,30 @@ test_text_only_batch_and_every_trainable_weight_gets_a_gradient = h.text_only_te
 test_verify_packing = h.verify_packing_test(mistral3, 512)
 
 
+def test_hfs_assistant_mask_is_what_trains(ckpt, processor):
+    """The checkpoint's template with ``{% generation %}`` around each answer and its ``</s>`` (the published one has
+    no blocks; the copy renders the same text): HF's ``return_assistant_tokens_mask`` on the processor's ids of
+    tests/targets_reference's conversation (system turn, two images, three answers) marks exactly the tokens the
+    data path trains (test_targets derives the same turns from prefix renders)."""
+    from tests import targets_reference as R
+    from tests.hf_mistral3_checkpoint import MISTRAL3
+
+    marked = MISTRAL3
+    for answer in ("message['content'] + eos_token", "message['content'][0]['text'] + eos_token"):
+        old = "{{- " + answer + " }}"
+        assert marked.count(old) == 1
+        marked = marked.replace(old, "{% generation %}" + old + "{% endgeneration %}")
+    msgs, tok = R.messages(), processor.tokenizer
+    for i in range(1, len(msgs) + 1):
+        assert tok.apply_chat_template(msgs[:i], tokenize=False, chat_template=marked) == \
+            tok.apply_chat_template(msgs[:i], tokenize=False)
+    ids, positions = R.assistant_mask_positions(processor, R.messages(R.pil_images()), marked)
+    ours, labels = R.project_sample(ckpt)
+    assert list(ids) == ours.tolist()
+    assert positions == R.trained_positions(labels)
+    assert tok.decode([ids[p] for p in positions]) == "".join(a + "</s>" for a in R.ANSWERS)
+
+
 # ------------------------------------------------------------------ configure
 def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
     from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD
