@@ -127,9 +127,11 @@ def text_config(kind: str, tok, initializer_range: float, **override):
 
 
 def make_mistral3_checkpoint(directory, text: str = "mistral", initializer_range: float = 0.2, seed: int = 0,
-                             text_override: dict | None = None, vision: dict | None = None) -> Path:
+                             text_override: dict | None = None, vision: dict | None = None, patch: int = PATCH,
+                             longest: int = LONGEST) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``text_override`` / ``vision`` override fields of the
-    text and vision configs (benchmarks widen it)."""
+    text and vision configs, ``patch`` / ``longest`` the patch size and the processor's longest edge (benchmarks
+    widen it)."""
     import torch
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PixtralVisionConfig
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
@@ -138,7 +140,7 @@ def make_mistral3_checkpoint(directory, text: str = "mistral", initializer_range
     d.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(d)
     vision_kw = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, head_dim=16,
-                     patch_size=PATCH, image_size=LONGEST, initializer_range=initializer_range)
+                     patch_size=patch, image_size=longest, initializer_range=initializer_range)
     config = Mistral3Config(vision_config=PixtralVisionConfig(**{**vision_kw, **(vision or {})}),
                             text_config=text_config(text, tok, initializer_range, **(text_override or {})),
                             image_token_index=tok.convert_tokens_to_ids("[IMG]"), spatial_merge_size=MERGE,
@@ -146,11 +148,11 @@ def make_mistral3_checkpoint(directory, text: str = "mistral", initializer_range
     config.initializer_range = initializer_range
     torch.manual_seed(seed)
     Mistral3ForConditionalGeneration(config).save_pretrained(d, safe_serialization=True)
-    images = PixtralImageProcessorPil(patch_size={"height": PATCH, "width": PATCH}, size={"longest_edge": LONGEST})
+    images = PixtralImageProcessorPil(patch_size={"height": patch, "width": patch}, size={"longest_edge": longest})
     (d / "preprocessor_config.json").write_text(json.dumps(
         {**images.to_dict(), "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor"},
         indent=2))
-    (d / "processor_config.json").write_text(json.dumps(PROCESSOR, indent=2))
+    (d / "processor_config.json").write_text(json.dumps({**PROCESSOR, "patch_size": patch}, indent=2))
     return d
 
 
