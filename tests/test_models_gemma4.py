@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 
 import numpy as np
 import pytest
@@ -279,69 +278,17 @@ def test_export_round_trip(model, cfg, built, tmp_path):
 test_registry_finds_the_backend = h.registry_test(gemma4)
 
 
-def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
-    from ray_mmbatch.models import backend_of
-    from ray_mmbatch.train import fsdp
-
-    assert backend_of(model) is gemma4
-    names = {id(m): n for n, m in model.named_modules()}
-    assert [names[id(u)] for u in fsdp.shard_units(model)] == [
-        f"hf_model.model.language_model.layers.{i}" for i in range(4)]
-    assert [names[id(m)] for m in gemma4.vision_modules(model)] == ["hf_model.model.vision_tower",
-                                                                   "hf_model.model.embed_vision"]
-    assert gemma4.state_prefix(model) == "hf_model."
+test_fsdp_units_are_the_decoder_layers_and_vision_is_apart = h.fsdp_layout_test(
+    gemma4, 4, ["hf_model.model.vision_tower", "hf_model.model.embed_vision"])
 
 
-def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tmp_path):
+def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tmp_path, tol):
     """--freeze: vision = the tower, projector = embed_vision; LoRA (default: the language model's linear layers)
     trains adapters only, a packed batch stays exact against each sample alone through the adapted HF model, and
     the exported adapter reloads with PEFT."""
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    from ray_mmbatch.models import trainable as T
-
-    frozen = gemma4.create_model(cfg, token_ids(cfg))
-    parts = T.part_parameters(frozen)
-    assert parts["vision"] and all(".vision_tower." in n for n, _ in parts["vision"])
-    assert parts["projector"] and all(".embed_vision." in n for n, _ in parts["projector"])
-    T.freeze(frozen, "vision,projector")
-    assert {n for n, p in frozen.named_parameters() if not p.requires_grad} == \
-        {n for k in ("vision", "projector") for n, _ in parts[k]}
-
-    lcfg = copy.deepcopy(cfg)
-    lcfg.model.lora_rank, lcfg.model.lora_alpha = 4, 8.0
-    model = gemma4.create_model(lcfg, token_ids(cfg)).eval()
-    T.configure_trainable(model, lcfg)
-    trains = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trains and all("lora_" in n for n in trains) and any(".self_attn.q_proj." in n for n in trains)
-    torch.manual_seed(2)
-    with torch.no_grad():  # lora_B starts at zero: draw it so the adapters change the model
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.5)
-    samples, hf, _ = built
-    with torch.no_grad():
-        want = torch.cat([h.reference_ce(model.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf)])
-        ce = model.target_ce(collate("pack", samples, tok.pad_token_id))
-    assert (ce - want).abs().max().item() < h.TOLERANCE["gemma4"].ce
-    assert (want - torch.cat([h.reference_ce(frozen.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf)])
-            ).abs().max().item() > 1e-2  # the adapters matter
-    d = T.export_adapter(model, tmp_path / "adapter", lcfg.model.path)
-    base = AutoModelForImageTextToText.from_pretrained(lcfg.model.path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(d)).merge_and_unload().eval()
-    with torch.no_grad():
-        back = torch.cat([h.reference_ce(merged, s["labels"], **kw) for s, kw in zip(samples, hf)])
-    assert (back - want).abs().max().item() < 1e-4
+    h.check_freeze_and_lora(gemma4, cfg, tok, built[0], built[1], tmp_path,
+                            {"vision": lambda n: ".vision_tower." in n, "projector": lambda n: ".embed_vision." in n},
+                            ".self_attn.q_proj.", tol.ce)
 
 
-def test_the_public_api_loads_it(ckpt, built, reference, tok, tol):
-    """ray_mmbatch.hf: config_from_checkpoint + load_model find this backend and pack exactly."""
-    from ray_mmbatch import hf
-
-    assert hf.config_from_checkpoint(str(ckpt)).text.image_block == BLOCK
-    loaded = hf.load_model(str(ckpt)).eval()
-    with torch.no_grad():
-        ce = loaded.target_ce(collate("pack", built[0], tok.pad_token_id))
-    assert (ce - reference[0]).abs().max().item() < tol.ce
-    assert math.isfinite(float(ce.sum()))
+test_the_public_api_loads_it = h.public_api_test(lambda c: c.text.image_block == BLOCK)

@@ -276,82 +276,30 @@ def test_export_round_trip(model, cfg, built, tmp_path):
 test_registry_finds_the_backend = h.registry_test(qwen3_5)
 
 
-def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
-    from ray_mmbatch.models import backend_of
-    from ray_mmbatch.train import fsdp
-
-    assert backend_of(model) is qwen3_5
-    names = {id(m): n for n, m in model.named_modules()}
-    assert [names[id(u)] for u in fsdp.shard_units(model)] == [
-        f"hf_model.model.language_model.layers.{i}" for i in range(len(QWEN3_5_LAYERS))]
-    assert [names[id(m)] for m in qwen3_5.vision_modules(model)] == ["hf_model.model.visual"]
-    assert qwen3_5.state_prefix(model) == "hf_model."
+test_fsdp_units_are_the_decoder_layers_and_vision_is_apart = h.fsdp_layout_test(
+    qwen3_5, len(QWEN3_5_LAYERS), ["hf_model.model.visual"])
 
 
 def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tmp_path):
     """--freeze names the parts as for Qwen-VL (visual less its merger; the merger); LoRA (default: the language
     model's linear layers, the DeltaNet projections among them) trains adapters only, a packed batch stays exact
     against each sample alone through the adapted HF model, and the exported adapter reloads with PEFT."""
-    import copy
-
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    from ray_mmbatch.models import trainable as T
-
-    frozen = qwen3_5.create_model(cfg, h.token_ids(cfg, tok))
-    parts = T.part_parameters(frozen)
-    assert all(".visual." in n and ".merger." not in n for n, _ in parts["vision"])
-    assert all(".visual.merger." in n for n, _ in parts["projector"])
-    T.freeze(frozen, "vision,projector")
-    assert {n for n, p in frozen.named_parameters() if not p.requires_grad} == \
-        {n for k in ("vision", "projector") for n, _ in parts[k]}
-
-    lcfg = copy.deepcopy(cfg)
-    lcfg.model.lora_rank, lcfg.model.lora_alpha = 4, 8.0
-    model = qwen3_5.create_model(lcfg, h.token_ids(cfg, tok)).eval()
-    torch.manual_seed(2)  # the adapters' draws do not depend on which tests ran before
-    T.configure_trainable(model, lcfg)
-    trains = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trains and all("lora_" in n for n in trains) and any(".linear_attn.in_proj_qkv." in n for n in trains)
-    with torch.no_grad():  # lora_B starts at zero: draw it so the adapters change the model
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, 0.1)
     # the text-only sample and one image sample, our pixels: packing alone is judged (HF's vision tower rounds
     # differently over several samples' images at once, which the adapters amplify past the family's tolerance)
     samples = built[0][:2]
     hf = [kw | {"pixel_values": normalize_patches(torch.as_tensor(s["patches"]), cfg.image.image_mean,
                                                    cfg.image.image_std, cfg.image.temporal_patch_size)}
           if "pixel_values" in kw else kw for s, kw in zip(samples, built[1][:2])]
-    with torch.no_grad():
-        want = torch.cat([h.reference_ce(model.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf)])
-        ce = model.target_ce(collate("pack", samples, tok.pad_token_id))
     # within verify-packing's fp32 default (run/verify.DEFAULT_TOLERANCE, what `verify-packing --lora-rank` checks):
     # the drawn adapters widen the logits, so the fp32 rounding of the packed row's longer attention rows moves a
     # token by up to 2.3e-5 here, above the family's tolerance for the bare checkpoint; a leak moves it by > 1e-2
-    assert (ce - want).abs().max().item() < DEFAULT_TOLERANCE["fp32"]
-    assert (want - torch.cat([h.reference_ce(frozen.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf)])
-            ).abs().max().item() > 1e-2  # the adapters matter
-    d = T.export_adapter(model, tmp_path / "adapter", lcfg.model.path)
-    base = AutoModelForImageTextToText.from_pretrained(lcfg.model.path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(d)).merge_and_unload().eval()
-    with torch.no_grad():
-        back = torch.cat([h.reference_ce(merged, s["labels"], **kw) for s, kw in zip(samples, hf)])
-    assert (back - want).abs().max().item() < 1e-4
+    h.check_freeze_and_lora(qwen3_5, cfg, tok, samples, hf, tmp_path,
+                            {"vision": lambda n: ".visual." in n and ".merger." not in n,
+                             "projector": lambda n: ".visual.merger." in n}, ".linear_attn.in_proj_qkv.",
+                            DEFAULT_TOLERANCE["fp32"], lora_std=0.1)
 
 
 test_verify_packing_job_through_the_data_path = h.verify_packing_test(qwen3_5, 1024)
 
 
-def test_the_public_api_loads_it(ckpt, built, reference, tok, tol):
-    """ray_mmbatch.hf: config_from_checkpoint + load_model find this backend and pack exactly."""
-    from ray_mmbatch import hf
-
-    cfg2 = hf.config_from_checkpoint(str(ckpt))
-    assert cfg2.text.image_token == "<|image_pad|>"
-    loaded = hf.load_model(str(ckpt)).eval()
-    with torch.no_grad():
-        ce = loaded.target_ce(collate("pack", built[0], tok.pad_token_id))
-    assert (ce - reference[0]).abs().max().item() < tol.ce
-
+test_the_public_api_loads_it = h.public_api_test(lambda c: c.text.image_token == "<|image_pad|>")

@@ -106,31 +106,13 @@ def _check_model(hf_cfg, where: str, longest: int) -> None:
                          f"patch_size {vision.patch_size}); lower image.image_size (the longest edge)")
 
 
-def configure(cfg):
-    """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
+def _image_tokens(tokenizer: str, path: str, hf_cfg, proc: dict) -> dict[str, str]:
+    """processor_config.json's image / break / end tokens (PixtralProcessor's defaults where absent), checked: the
+    image token is config.json's image_token_index, the other two are added tokens (each one id in any text)."""
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
-    from ray_mmbatch.models.hf_common import (
-        adopt_setting,
-        adopt_still_pixels,
-        checked_token,
-        open_checkpoint,
-        read_json,
-    )
+    from ray_mmbatch.models.hf_common import checked_token
 
-    path, hf_cfg, processor, where_model, _ = open_checkpoint(cfg, NAME, FAMILY, MODEL_TYPES)
-    where_proc = f"{path} image processor"
-    proc = read_json(Path(path) / "processor_config.json")
-    settings = _processor_settings(processor, proc, where_proc, hf_cfg)
-    ps, merge = settings["patch_size"], settings["merge_size"]
-    adopt_setting(cfg, "image.resize", "pixtral", f"{where_proc} (Mistral 3: longest edge, sides rounded up)")
-    adopt_setting(cfg, "image.patch_size", ps, f"{where_model} vision_config.patch_size")
-    adopt_setting(cfg, "image.merge_size", merge, f"{where_model} spatial_merge_size")
-    # the longest edge is a free choice (HF: the processor's size kwarg), within what the tower's RoPE covers
-    adopt_setting(cfg, "image.image_size", settings["image_size"], f"{where_proc} size longest_edge",
-                  user_may_override=True)
-    _check_model(hf_cfg, where_model, int(cfg.image.image_size))
-    adopt_still_pixels(cfg, settings, where_proc, FAMILY)
-    tok = load_tokenizer(cfg.text.tokenizer)
+    tok = load_tokenizer(tokenizer)
     image = checked_token(tok, hf_cfg.image_token_id, path, "image_token_index")
     names = {k: str(proc.get(k, v)) for k, v in _TOKENS.items()}
     if names["image_token"] != image:
@@ -141,7 +123,27 @@ def configure(cfg):
         if names[key] not in added:
             raise ValueError(f"{path}: {key} {names[key]!r} (processor_config.json) is not an added token of the "
                              "tokenizer, so the processor's text would not tokenize to one id")
-    source = f"{path} tokenizer and processor_config.json (PixtralProcessor)"
+    return names
+
+
+def configure(cfg):
+    """Fill the data path's settings from the checkpoint (see module docstring); contradicting flags raise."""
+    from ray_mmbatch.models.hf_common import adopt_setting, adopt_still_pixels, open_checkpoint, read_json
+
+    path, hf_cfg, processor, where_model, _ = open_checkpoint(cfg, NAME, FAMILY, MODEL_TYPES)
+    where_proc = f"{path} image processor"
+    proc = read_json(Path(path) / "processor_config.json")
+    settings = _processor_settings(processor, proc, where_proc, hf_cfg)
+    adopt_setting(cfg, "image.resize", "pixtral", f"{where_proc} (Mistral 3: longest edge, sides rounded up)")
+    adopt_setting(cfg, "image.patch_size", settings["patch_size"], f"{where_model} vision_config.patch_size")
+    adopt_setting(cfg, "image.merge_size", settings["merge_size"], f"{where_model} spatial_merge_size")
+    # the longest edge is a free choice (HF: the processor's size kwarg), within what the tower's RoPE covers
+    adopt_setting(cfg, "image.image_size", settings["image_size"], f"{where_proc} size longest_edge",
+                  user_may_override=True)
+    _check_model(hf_cfg, where_model, int(cfg.image.image_size))
+    adopt_still_pixels(cfg, settings, where_proc, FAMILY)
+    names = _image_tokens(cfg.text.tokenizer, path, hf_cfg, proc)
+    image, source = names["image_token"], f"{path} tokenizer and processor_config.json (PixtralProcessor)"
     adopt_setting(cfg, "text.image_token", image, source)
     adopt_setting(cfg, "text.image_block", (image, image + names["image_end_token"]), source)
     adopt_setting(cfg, "text.image_break", names["image_break_token"], source)
