@@ -116,6 +116,29 @@ def test_pixtral_resize_is_hfs_formula(cfg, sizes):
             assert pixtral_resize(hh, ww, icfg) == want, (hh, ww, longest)
 
 
+def test_pixels_of_every_kind_of_file_are_hfs_bit_for_bit():
+    """tests/test_image_hf's files (photos, grey, 16-bit, CMYK, alpha, palettes, EXIF-rotated, 1 x 1, thin, 2000 x
+    1500) at the published settings (14-px patches merged 2 x 2, longest edge 1540): grid and pixel_values equal
+    HF's PixtralImageProcessor (PIL backend, patch size 28 as PixtralProcessor passes it) bit for bit."""
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
+
+    from ray_mmbatch.config import ImageConfig
+    from ray_mmbatch.data.image import decode_image, image_grid, patchify, probe_image
+    from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD
+    from tests.test_image_hf import FILES, opened
+
+    icfg = ImageConfig(resize="pixtral", image_size=1540, patch_size=14, merge_size=2, temporal_patch_size=1,
+                       image_mean=CLIP_MEAN, image_std=CLIP_STD)
+    hf = PixtralImageProcessorPil(size={"longest_edge": 1540}, patch_size={"height": 14, "width": 14})
+    for name, data in FILES.items():
+        ref = hf(images=opened(data), patch_size={"height": 28, "width": 28}, return_tensors="pt")
+        grid = image_grid(*probe_image(data, icfg), icfg)
+        patches = torch.from_numpy(patchify(decode_image(data, grid, icfg), icfg))
+        ours, sizes = mistral3.pixel_values(patches, torch.tensor([grid]), 14, 2, CLIP_MEAN, CLIP_STD, torch.float32)
+        assert sizes.tolist() == ref["image_sizes"].tolist(), name
+        assert torch.equal(ours, ref["pixel_values"]), name
+
+
 # ------------------------------------------------------------------ exactness and its controls
 test_batch_equals_each_sample_alone = h.exactness_test()
 test_flash_attention_gets_the_varlen_metadata = h.flash_varlen_test(lambda hf: hf.model.language_model.config)
