@@ -261,6 +261,19 @@ def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
     assert smaller.image.image_size == 32
 
 
+def test_configure_reads_a_nested_processor_config(cfg, ckpt, tmp_path):
+    """A checkpoint saved by a newer processor (one processor_config.json, the image processor's settings nested
+    under ``image_processor``, no preprocessor_config.json) configures as the published two-file layout does."""
+    d = h.variant(ckpt, tmp_path)
+    nested = json.loads((d / "processor_config.json").read_text())
+    nested["image_processor"] = json.loads((d / "preprocessor_config.json").read_text())
+    (d / "processor_config.json").write_text(json.dumps(nested))
+    (d / "preprocessor_config.json").unlink()
+    again = h.configure(mistral3, d)
+    assert again.image == cfg.image
+    assert (again.text.image_block, again.text.image_break) == (cfg.text.image_block, cfg.text.image_break)
+
+
 test_configure_refuses_contradicting_settings = h.contradicting_settings_test(mistral3, [
     ("image.merge_size", 1), ("image.patch_size", 16), ("image.resize", "budget"), ("text.image_token", "[IMG_END]"),
     ("image.image_mean", "0.5,0.5,0.5"), ("text.image_break", "[IMG_END]")])
