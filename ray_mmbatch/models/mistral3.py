@@ -36,8 +36,9 @@ HF's ``get_image_features`` fails when a forward holds exactly one image token i
 alone: it squeezes the [1, d] features to [d]); such a batch gets the same features computed without the squeeze
 (``one_token_features``), so a batch of that one image trains instead of stopping the run.
 
-Not trained here: video (Mistral 3 takes none: a video sample stops the run at measure, naming the family), text
-models with a ``sliding_window`` (none of the published checkpoints has one; untested here).
+Not trained here: video (Mistral 3 takes none: ``image.video`` stays '', so a video sample stops the run at measure
+as for every image-only family, VideoRefused naming the clip and the model types that take video), text models
+with a ``sliding_window`` (none of the published checkpoints has one; untested here).
 Importing this module imports no torch.
 """
 from __future__ import annotations
