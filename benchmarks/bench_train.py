@@ -66,6 +66,9 @@ text model 256 x 4 layers (head_dim 64; three sliding-window layers of 512 token
 16; logit softcap 30), its vision tower 128 x 2 layers in 16-px patches pooled 3 x 3, max_soft_tokens 70: the
 aspect kept, up to 70 tokens per image, every image padded to 630 patches in the tower; sdpa with explicit
 per-layer masks in pack mode).
+``mistral3-tiny`` builds a random Mistral 3 (``tiny_mistral3_checkpoint``: tests/hf_mistral3_checkpoint with a
+Mistral text model 256 x 4 layers (head_dim 64), a Pixtral tower 128 x 2 layers in 14-px patches merged 2 x 2,
+longest edge 224 px: the aspect kept, up to 8 rows of 8 tokens an image plus a break / end token per row).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -276,6 +279,25 @@ def tiny_gemma4_checkpoint(directory: str, seed: int = 0) -> str:
 
 
 TINY_CHECKPOINTS[TINY_GEMMA4] = tiny_gemma4_checkpoint
+
+
+TINY_MISTRAL3 = "mistral3-tiny"
+
+
+def tiny_mistral3_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random Mistral 3 checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_mistral3_checkpoint import make_mistral3_checkpoint
+
+    make_mistral3_checkpoint(directory, initializer_range=0.02, seed=seed, text_override={**TINY_TEXT, "head_dim": 64},
+                             vision={"hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
+                                     "head_dim": 32}, patch=14, longest=224)
+    return directory
+
+
+TINY_CHECKPOINTS[TINY_MISTRAL3] = tiny_mistral3_checkpoint
 
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
@@ -499,11 +521,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-tokens", type=int, default=8192, help="token budget of pack and pad mode")
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} / "
-                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} / {TINY_GEMMA4} / {TINY_QWEN3_VL_MOE} (a "
-                   "random Qwen2-VL / InternVL / Gemma 3 / LLaVA-OneVision / SmolVLM / Qwen3.5 / Gemma 4 / "
-                   "Qwen3-VL-MoE built in a temp dir, "
-                   "see the module header); default: the "
+    p.add_argument("--model", default="", help=f"HF checkpoint dir, or one of {' / '.join(TINY_CHECKPOINTS)} (a "
+                   "random tiny model of that family built in a temp dir, see the module header); default: the "
                    "built-in model")
     p.add_argument("--attention", default="sdpa",
                    help="ModelConfig.attention (built-in) or ModelConfig.attn_implementation (--model: sdpa, eager)")

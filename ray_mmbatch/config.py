@@ -62,9 +62,11 @@ class ImageConfig:
     or 'split' (Idefics3 / SmolVLM image splitting: Lanczos to the longest edge max_tiles * image_size, then rows x
     cols image_size views plus a global view) or 'global' (the same without splitting: one image_size view)
     or 'budget' (Gemma 4: the aspect kept, bicubic to sides that are multiples of patch_size*merge_size with an
-    area of at most max_pixels, small images scaled up; see data/image/budget.py)."""
+    area of at most max_pixels, small images scaled up; see data/image/budget.py) or 'pixtral' (Mistral 3: sides at
+    most image_size, then rounded up to multiples of patch_size*merge_size; see data/image/pixtral.py)."""
     image_size: int = 336
-    """resize='fixed' / 'squash' / 'tiles': side of the square image (tile) the vision tower sees (pixels)."""
+    """resize='fixed' / 'squash' / 'tiles': side of the square image (tile) the vision tower sees (pixels).
+    resize='pixtral': the longest edge (HF ``size['longest_edge']``)."""
     min_tiles: int = 1
     """resize='tiles': fewest tiles an image is cut into (the thumbnail not counted; HF ``min_patches``)."""
     max_tiles: int = 12
@@ -169,6 +171,9 @@ class TextConfig:
     writes for an image, ``text`` holding ``image_token`` once, where the image's tokens go (Gemma 3:
     ('<start_of_image>', '\\n\\n<start_of_image><image_soft_token><end_of_image>\\n\\n')). Replaced in the
     render before tokenizing, so the ids are the processor's. Empty: the template writes ``image_token``."""
+    image_break: str = ""
+    """Pixtral / Mistral 3 ('[IMG_BREAK]'): the token that closes each row of an image's tokens but the last
+    (the last closes with image_block's end token); measure writes one image token per row (data/row_breaks.py)."""
 
 
 @dataclass

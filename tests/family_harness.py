@@ -20,7 +20,6 @@ import copy
 import io
 import json
 import re
-from pathlib import Path
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -73,6 +72,7 @@ TOLERANCE = {  # comments: worst CE / gradient difference seen, any mode, any ch
     "qwen3_5_moe": Tolerance(ce=6e-5, grad=1.5e-4),
     # Gemma 4 (issue 45): 2.9e-6 / 9.2e-6 (pack); the pixels are HF's bit for bit (rescaled in float64 as HF does)
     "gemma4": Tolerance(ce=1e-5, grad=2e-5),
+    "mistral3": Tolerance(ce=1e-5, grad=2e-5),
 }
 TOL = TOLERANCE["qwen2_vl"].ce  # tests/test_ingest.py's (a Qwen2-VL checkpoint) until it reads TOLERANCE itself
 
@@ -462,52 +462,6 @@ def verify_packing(ckpt, data, mode: str, max_tokens: int, capsys, tol: Toleranc
 
 
 
-def check_freeze_and_lora(backend, cfg, ids: dict, samples: list, hf_kwargs: list, parts_in: dict, lora_in: str,
-                          tol: float, out_dir, scale: float = 0.1) -> list[str]:
-    """--freeze vision,projector freezes exactly those parts (``parts_in``: part -> a name fragment every one of its
-    parameters has); LoRA (default targets: the language model's linear layers) trains adapters only, among them one
-    whose name has ``lora_in``; with its adapters drawn (N(0, ``scale``)) a packed batch of ``samples`` stays within
-    ``tol`` of each sample alone through the adapted HF model (``hf_kwargs``: each sample's reference_ce inputs),
-    the adapters matter (> 1e-2), and the exported adapter reloads with PEFT onto the checkpoint. Returns the
-    names of the trained parameters."""
-    from peft import PeftModel
-    from transformers import AutoModelForImageTextToText
-
-    from ray_mmbatch.models import trainable as T
-
-    frozen = backend.create_model(cfg, ids)
-    parts = T.part_parameters(frozen)
-    for part, fragment in parts_in.items():
-        assert parts[part] and all(fragment(n) if callable(fragment) else fragment in n for n, _ in parts[part]), part
-    T.freeze(frozen, ",".join(parts_in))
-    assert {n for n, p in frozen.named_parameters() if not p.requires_grad} == \
-        {n for k in parts_in for n, _ in parts[k]}
-
-    lcfg = copy.deepcopy(cfg)
-    lcfg.model.lora_rank, lcfg.model.lora_alpha = 4, 8.0
-    model = backend.create_model(lcfg, ids).eval()
-    torch.manual_seed(2)  # the adapters' draws do not depend on which tests ran before
-    T.configure_trainable(model, lcfg)
-    trains = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trains and all("lora_" in n for n in trains) and any(lora_in in n for n in trains), trains
-    with torch.no_grad():  # lora_B starts at zero: draw it so the adapters change the model
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0.0, scale)
-    with torch.no_grad():
-        want = torch.cat([reference_ce(model.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf_kwargs)])
-        ce = model.target_ce(collate("pack", samples, ids["pad_id"]))
-    assert (ce - want).abs().max().item() < tol
-    assert (want - torch.cat([reference_ce(frozen.hf_model, s["labels"], **kw) for s, kw in zip(samples, hf_kwargs)])
-            ).abs().max().item() > 1e-2  # the adapters matter
-    d = T.export_adapter(model, Path(out_dir) / "adapter", lcfg.model.path)
-    base = AutoModelForImageTextToText.from_pretrained(lcfg.model.path, dtype=torch.float32)
-    merged = PeftModel.from_pretrained(base, str(d)).merge_and_unload().eval()
-    with torch.no_grad():
-        back = torch.cat([reference_ce(merged, s["labels"], **kw) for s, kw in zip(samples, hf_kwargs)])
-    assert (back - want).abs().max().item() < 1e-4
-    return trains
-
 # ------------------------------------------------------------------ the tests every family module has
 # Each returns the test function; a module binds it to the test's name (pytest collects it under that name),
 # so that the test is written once. They take the module's fixtures by name (family_fixtures, built).
@@ -600,5 +554,89 @@ def fsdp_units_test(backend, layer: str, in_vision):
 
     def test(model):
         check_fsdp_units(backend, model, layer, in_vision(model.hf_model))
+
+    return test
+
+
+# ------------------------------------------------------------------ freeze / LoRA, the FSDP layout, the public API
+def check_freeze_and_lora(backend, cfg, tok, samples: list[dict], hf_kwargs: list[dict], tmp_path, parts: dict,
+                          lora_layer: str, tolerance: float, lora_std: float = 0.5) -> list[str]:
+    """--freeze 'vision,projector' freezes exactly those parts of the backend's model, every weight of part k named as
+    ``parts[k](name)`` says; LoRA (rank 4, the default targets) trains adapters only, ``lora_layer`` (a name
+    fragment) among them; with lora_B drawn (std ``lora_std``, seeded) the packed batch of ``samples`` equals each
+    sample alone through the adapted HF model (``hf_kwargs``: reference_ce's inputs) within ``tolerance``, the
+    adapters move it by more than 1e-2, and the exported adapter, reloaded with PEFT and merged, gives the same CE.
+    ``parts[k]``: a predicate on the weight's name, or a fragment every name has. Returns the trained weights' names."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from ray_mmbatch.models import trainable as T
+
+    frozen = backend.create_model(cfg, token_ids(cfg, tok))
+    found = T.part_parameters(frozen)
+    for part, named in parts.items():
+        assert found[part] and all(named(n) if callable(named) else named in n for n, _ in found[part]), part
+    T.freeze(frozen, ",".join(parts))
+    assert {n for n, p in frozen.named_parameters() if not p.requires_grad} == \
+        {n for k in parts for n, _ in found[k]}
+
+    lcfg = copy.deepcopy(cfg)
+    lcfg.model.lora_rank, lcfg.model.lora_alpha = 4, 8.0
+    model = backend.create_model(lcfg, token_ids(cfg, tok)).eval()
+    torch.manual_seed(2)  # the adapters' draws do not depend on which tests ran before
+    T.configure_trainable(model, lcfg)
+    trains = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trains and all("lora_" in n for n in trains) and any(lora_layer in n for n in trains)
+    with torch.no_grad():  # lora_B starts at zero: draw it so the adapters change the model
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, lora_std)
+
+    def alone(hf_model) -> torch.Tensor:
+        return torch.cat([reference_ce(hf_model, s["labels"], **kw) for s, kw in zip(samples, hf_kwargs)])
+
+    with torch.no_grad():
+        want = alone(model.hf_model)
+        ce = model.target_ce(collate("pack", samples, tok.pad_token_id))
+        assert (ce - want).abs().max().item() < tolerance
+        assert (want - alone(frozen.hf_model)).abs().max().item() > 1e-2  # the adapters matter
+    d = T.export_adapter(model, tmp_path / "adapter", lcfg.model.path)
+    base = AutoModelForImageTextToText.from_pretrained(lcfg.model.path, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, str(d)).merge_and_unload().eval()
+    with torch.no_grad():
+        assert (alone(merged) - want).abs().max().item() < 1e-4
+    return trains
+
+
+def fsdp_layout_test(backend, n_layers: int, vision: list[str]):
+    """The backend built the model; its FSDP units are the language model's ``n_layers`` decoder layers by name, its
+    vision modules are named ``vision``, and export strips the HFModel prefix."""
+
+    def test(model):
+        from ray_mmbatch.models import backend_of
+        from ray_mmbatch.train import fsdp
+
+        assert backend_of(model) is backend
+        names = {id(m): n for n, m in model.named_modules()}
+        assert [names[id(u)] for u in fsdp.shard_units(model)] == [
+            f"hf_model.model.language_model.layers.{i}" for i in range(n_layers)]
+        assert [names[id(m)] for m in backend.vision_modules(model)] == vision
+        assert backend.state_prefix(model) == "hf_model."
+
+    return test
+
+
+def public_api_test(configured):
+    """ray_mmbatch.hf: config_from_checkpoint (``configured(cfg)`` must hold) + load_model find the backend and pack
+    the built samples exactly."""
+
+    def test(ckpt, built, reference, tok, tol):
+        from ray_mmbatch import hf
+
+        assert configured(hf.config_from_checkpoint(str(ckpt)))
+        loaded = hf.load_model(str(ckpt)).eval()
+        with torch.no_grad():
+            ce = loaded.target_ce(collate("pack", built[0], tok.pad_token_id))
+        assert (ce - reference[0]).abs().max().item() < tol.ce
 
     return test

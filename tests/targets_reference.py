@@ -152,6 +152,10 @@ def hf_processor(path, model_type: str):
         from tests.hf_gemma4_checkpoint import gemma4_processor
 
         return gemma4_processor(path)
+    if model_type == "mistral3":  # PixtralProcessor, built without torchvision
+        from tests.hf_mistral3_checkpoint import pixtral_processor
+
+        return pixtral_processor(path)
     tok = AutoTokenizer.from_pretrained(str(path))
     images = AutoImageProcessor.from_pretrained(str(path))
     config = json.loads((path / "config.json").read_text())

@@ -446,10 +446,10 @@ def test_moe_freeze_and_lora_keep_packing_exact(family, tmp_path):
                   "image_grid_thw": torch.as_tensor(s["grids"], dtype=torch.long),
                   "mm_token_type_ids": (ids == family.ids["image_token_id"]).int()}
         hf.append(kw | {"input_ids": s["input_ids"]})
-    trains = h.check_freeze_and_lora(qwen_vl, family.cfg, family.ids, samples, hf,
-                                     {"vision": lambda n: ".visual." in n and "merger" not in n,
-                                      "projector": lambda n: ".visual.merger." in n or ".deepstack_merger_list." in n},
-                                     ".self_attn.q_proj.", family.tol.ce, tmp_path)
+    parts = {"vision": lambda n: ".visual." in n and "merger" not in n,
+             "projector": lambda n: ".visual.merger." in n or ".deepstack_merger_list." in n}
+    trains = h.check_freeze_and_lora(qwen_vl, family.cfg, load_tokenizer(family.cfg.text.tokenizer), samples, hf,
+                                     tmp_path, parts, ".self_attn.q_proj.", family.tol.ce, lora_std=0.1)
     assert not any(".mlp.experts." in n or ".mlp.gate." in n for n in trains)
 
 

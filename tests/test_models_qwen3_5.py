@@ -276,16 +276,8 @@ def test_export_round_trip(model, cfg, built, tmp_path):
 test_registry_finds_the_backend = h.registry_test(qwen3_5)
 
 
-def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
-    from ray_mmbatch.models import backend_of
-    from ray_mmbatch.train import fsdp
-
-    assert backend_of(model) is qwen3_5
-    names = {id(m): n for n, m in model.named_modules()}
-    assert [names[id(u)] for u in fsdp.shard_units(model)] == [
-        f"hf_model.model.language_model.layers.{i}" for i in range(len(QWEN3_5_LAYERS))]
-    assert [names[id(m)] for m in qwen3_5.vision_modules(model)] == ["hf_model.model.visual"]
-    assert qwen3_5.state_prefix(model) == "hf_model."
+test_fsdp_units_are_the_decoder_layers_and_vision_is_apart = h.fsdp_layout_test(
+    qwen3_5, len(QWEN3_5_LAYERS), ["hf_model.model.visual"])
 
 
 def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tmp_path):
@@ -301,23 +293,13 @@ def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tmp_path):
     # within verify-packing's fp32 default (run/verify.DEFAULT_TOLERANCE, what `verify-packing --lora-rank` checks):
     # the drawn adapters widen the logits, so the fp32 rounding of the packed row's longer attention rows moves a
     # token by up to 2.3e-5 here, above the family's tolerance for the bare checkpoint; a leak moves it by > 1e-2
-    h.check_freeze_and_lora(qwen3_5, cfg, h.token_ids(cfg, tok), samples, hf,
+    h.check_freeze_and_lora(qwen3_5, cfg, tok, samples, hf, tmp_path,
                             {"vision": lambda n: ".visual." in n and ".merger." not in n,
-                             "projector": ".visual.merger."}, ".linear_attn.in_proj_qkv.",
-                            DEFAULT_TOLERANCE["fp32"], tmp_path)
+                             "projector": lambda n: ".visual.merger." in n}, ".linear_attn.in_proj_qkv.",
+                            DEFAULT_TOLERANCE["fp32"], lora_std=0.1)
 
 
 test_verify_packing_job_through_the_data_path = h.verify_packing_test(qwen3_5, 1024)
 
 
-def test_the_public_api_loads_it(ckpt, built, reference, tok, tol):
-    """ray_mmbatch.hf: config_from_checkpoint + load_model find this backend and pack exactly."""
-    from ray_mmbatch import hf
-
-    cfg2 = hf.config_from_checkpoint(str(ckpt))
-    assert cfg2.text.image_token == "<|image_pad|>"
-    loaded = hf.load_model(str(ckpt)).eval()
-    with torch.no_grad():
-        ce = loaded.target_ce(collate("pack", built[0], tok.pad_token_id))
-    assert (ce - reference[0]).abs().max().item() < tol.ce
-
+test_the_public_api_loads_it = h.public_api_test(lambda c: c.text.image_token == "<|image_pad|>")

@@ -69,6 +69,8 @@ FAMILIES = {
     # Qwen3.5: the think block only on the turn after the last user turn, whose generation prompt opens it
     # (derived from HF's mask on a marked copy of the template, _qwen3_5_turns: the template is not incremental)
     "qwen3_5": (("qwen3_5",), "qwen3_vl", None, (("", "", "\n</think>\n\n"), "<|im_end|>", "\n")),
+    # Mistral 3: the answer and </s> right after [/INST], nothing after the turn (HF's mask: test_models_mistral3)
+    "mistral3": (("mistral3",), "mistral3", None, ("", "</s>", "")),
 }
 MARKED = [f for f, spec in FAMILIES.items() if spec[2] is not None]
 
@@ -102,6 +104,10 @@ def _make(maker: tuple, d):
         from tests.hf_checkpoints import make_qwen3_5_checkpoint
 
         return make_qwen3_5_checkpoint(d)
+    if maker[0] == "mistral3":
+        from tests.hf_mistral3_checkpoint import make_mistral3_checkpoint
+
+        return make_mistral3_checkpoint(d)
     from tests.hf_idefics3_checkpoint import make_idefics3_checkpoint
 
     return make_idefics3_checkpoint(d, maker[1], splitting=maker[2])

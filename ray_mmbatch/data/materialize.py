@@ -20,7 +20,7 @@ import numpy as np
 
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig
-from ray_mmbatch.data.image import decode_image, image_tokens, patchify, probe_image
+from ray_mmbatch.data.image import decode_image, image_runs, image_tokens, patchify, probe_image
 
 
 def _items(value: Any) -> list:
@@ -62,8 +62,8 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     videos = [m for m, v in zip(media, is_video) if v]
     vgrids, grids = grids[is_video], grids[~is_video]
     pad_at = np.flatnonzero(ids == pad_id)
-    # resize='split' (Idefics3 image splitting): one image token per image_size view, views stacked in the grid
-    per_image = grids[:, 1] // grids[:, 2] if image_cfg.resize == "split" else np.ones(len(grids), dtype=np.int32)
+    # one image token per run (data/image Resizer.runs): per view for resize='split', per row for 'pixtral'
+    per_image = np.asarray([image_runs(g, image_cfg) for g in grids], dtype=np.int64).reshape(-1)
     if len(pad_at) != int(per_image.sum()):
         raise ValueError(f"{sid}: {len(pad_at)} image_pad tokens for {len(grids)} grids")
     repeats = np.ones(len(ids), dtype=np.int64)
@@ -99,8 +99,8 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
 
 def _video_items(ids: np.ndarray, pad_id: int, video_id: int, grids: np.ndarray, image_cfg: ImageConfig,
                  sid) -> np.ndarray:
-    """Which media items are videos: the media tokens in order (an image: one image token, or one per view for
-    resize='split'; a video: one video token, or one per temporal patch for Qwen3-VL)."""
+    """Which media items are videos: the media tokens in order (an image: one image token per run, image_runs; a
+    video: one video token, or one per temporal patch for Qwen3-VL)."""
     media_at = np.flatnonzero((ids == pad_id) | (ids == video_id))
     is_video, k = np.zeros(len(grids), dtype=bool), 0
     for j, grid in enumerate(grids):
@@ -110,7 +110,7 @@ def _video_items(ids: np.ndarray, pad_id: int, video_id: int, grids: np.ndarray,
         if is_video[j]:
             n = int(grid[0]) if image_cfg.video == "qwen3_vl" else 1
         else:
-            n = int(grid[1] // grid[2]) if image_cfg.resize == "split" else 1
+            n = image_runs(grid, image_cfg)
         if len(media_at[k:k + n]) != n or (ids[media_at[k:k + n]] != ids[media_at[k]]).any():
             raise ValueError(f"{sid}: media item {j} lacks its {n} tokens")
         k += n

@@ -198,6 +198,12 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             if not reasons[i] and len(grids[i]):
                 ids[i], target[i] = splice_split_blocks(ids[i], target[i], _items(batch[S.IMAGES][i]), image_cfg,
                                                         tok, text_cfg, image_id)
+    if image_cfg.resize == "pixtral":  # Mistral 3: [IMG_BREAK] after each row of an image's tokens but the last
+        from ray_mmbatch.data.row_breaks import splice_row_breaks
+
+        for i in rows:
+            if not reasons[i] and len(grids[i]):
+                ids[i], target[i] = splice_row_breaks(ids[i], target[i], grids[i], image_cfg, tok, text_cfg)
     ok = np.array([not r for r in reasons], dtype=bool)
     n_images = np.array([len(g) for g in grids], dtype=np.int64) * ok
     patches = np.array([int((g[:, 0] * g[:, 1] * g[:, 2]).sum()) for g in grids], dtype=np.int64) * ok

@@ -53,6 +53,9 @@ class Resizer:
     """(grid, displayed (h, w) or None, cfg) -> LM tokens of one image."""
     square: bool = False
     """One image_size x image_size view whatever the image: decode_image refuses another grid before decoding."""
+    runs: Callable[[tuple[int, int, int], ImageConfig], int] = lambda grid, cfg: 1
+    """(grid, cfg) -> runs of image tokens in one image's text block: measure writes one image token per run and
+    materialize repeats each to tokens / runs (resize='split': one per view; 'pixtral': one per row)."""
 
 
 def _open(data: bytes, formats: tuple[str, ...] | None = None) -> Image.Image:

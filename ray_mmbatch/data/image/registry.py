@@ -13,6 +13,7 @@ from ray_mmbatch.config import ImageConfig
 from ray_mmbatch.data.image.anyres import ANYRES
 from ray_mmbatch.data.image.budget import BUDGET
 from ray_mmbatch.data.image.core import Resizer, _check_aspect, _load, probe_image
+from ray_mmbatch.data.image.pixtral import PIXTRAL
 from ray_mmbatch.data.image.smart import SMART
 from ray_mmbatch.data.image.split import SPLIT
 from ray_mmbatch.data.image.square import FIXED, FIXED_PAD, GLOBAL, SQUASH
@@ -28,6 +29,7 @@ RESIZERS: dict[str, Resizer] = {
     "global": GLOBAL,  # Idefics3 / SmolVLM without image splitting
     "split": SPLIT,  # Idefics3 / SmolVLM with image splitting
     "budget": BUDGET,  # Gemma 4: aspect kept, a patch budget
+    "pixtral": PIXTRAL,  # Mistral 3: longest edge, sides rounded up to merged patches
 }
 RESIZE_MODES = tuple(RESIZERS)
 
@@ -51,6 +53,11 @@ def image_tokens(grid, hw: tuple[int, int] | None, cfg: ImageConfig) -> int:
     """LM tokens of one image of this grid: gh * gw / merge**2, or for resize='anyres' from its displayed
     size ``hw`` too (anyres_tokens; the grid gives its tiles)."""
     return resizer_for(cfg).tokens(grid, hw, cfg)
+
+
+def image_runs(grid, cfg: ImageConfig) -> int:
+    """Image-token runs in one image's text block (Resizer.runs): one image token each in the measured ids."""
+    return resizer_for(cfg).runs(grid, cfg)
 
 
 def decode_image(data: bytes, grid_thw, cfg: ImageConfig) -> np.ndarray:

@@ -94,4 +94,4 @@ def _split(img: Image.Image, full_hw: HW, out_hw: HW, cfg: ImageConfig) -> np.nd
     return np.ascontiguousarray(np.concatenate([views, whole]))
 
 
-SPLIT = Resizer(grid=_grid, target_hw=_longest_edge_hw, pixels=_split)
+SPLIT = Resizer(grid=_grid, target_hw=_longest_edge_hw, pixels=_split, runs=lambda grid, cfg: grid[1] // grid[2])
