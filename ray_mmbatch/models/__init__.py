@@ -46,6 +46,7 @@ REGISTRY: dict[str, str] = {
     "llava_onevision": "ray_mmbatch.models.llava_onevision",
     "qwen3_5": "ray_mmbatch.models.qwen3_5",
     "gemma4": "ray_mmbatch.models.gemma4",
+    "glm4v": "ray_mmbatch.models.glm4v",
 }
 
 

@@ -1,0 +1,276 @@
+"""GLM-4.1V / GLM-4.5V backend (issue 45): configure() from a checkpoint, ids / pixels / costs as HF's processor gives
+them, packed and padded batches exactly equal to HF run per sample (GLM's own 3-D ``get_rope_index`` per packed
+sample), and the naive packed feeds shown to be off.
+
+The reference is HF's own path, one sample at a time: the checkpoint's chat template rendered and expanded by HF's
+Glm4vProcessor (its video half left out: HF's GLM video processor needs torchvision), ``pixel_values`` from the
+checkpoint's PIL Glm4vImageProcessor, fed to ``Glm4v(Moe)ForConditionalGeneration(input_ids, pixel_values,
+image_grid_thw, mm_token_type_ids, attention_mask=ones)`` -> logits -> shifted CE. Our side is the pipeline's: raw
+rows -> measure_batch -> materialize_sample -> collate_pack / collate_pad -> HFModel.target_ce. The tiny random
+checkpoints (tests/hf_glm4v_checkpoint.py; initializer_range 0.2) make a wrong mask or wrong 3-D positions move the
+loss far beyond the tolerance (family_harness.TOLERANCE). Each test runs on the dense and the MoE checkpoint.
+What the family modules share: tests/family_harness.py.
+"""
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+
+from ray_mmbatch import schema as S
+from ray_mmbatch.models import glm4v
+from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, normalize_patches
+from tests import family_harness as h
+from tests.family_harness import collate
+from tests.hf_glm4v_checkpoint import FACTOR, GLM4V_MODEL_TYPES, PATCH, make_glm4v_checkpoint
+
+LONG = ("Tell me, in as many words as you like, what you see when you look at the long strip of noise with "
+        "one bright red stripe across it, and why a stripe like that would be drawn there at all.")
+# text only, one wide image, a thin one (GLM scales a side under 28 px up) with a square one, a small one (scaled up
+# to the 4-token minimum); answers ending in spaces (the template strips them)
+SPECS = [
+    (LONG, "I see noise. The stripe marks a row, so that a wrong resize or crop would show. ", []),
+    ("<image>\nDescribe the picture in a few words please.", "A noisy strip with a bright stripe.", [(170, 45)]),
+    ("<image>\n<image>\nCompare these two images.", "The first is a thin line, the second a square.  ",
+     [(9, 150), (64, 64)]),
+    ("<image>\nColour?", "Red on grey.", [(20, 30)]),
+]
+
+ckpt, cfg, tok, model, reference, _tol = h.family_fixtures(
+    glm4v, make_glm4v_checkpoint, params=GLM4V_MODEL_TYPES, ids=list(GLM4V_MODEL_TYPES))
+del _tol  # one TOLERANCE per model type (dense, MoE), not per backend: the fixture below
+
+
+@pytest.fixture(scope="module")
+def tol(model):
+    return h.TOLERANCE[model.hf_model.config.model_type]
+
+
+@pytest.fixture(scope="module")
+def processor(ckpt):
+    from tests import targets_reference as R
+
+    return R.hf_processor(ckpt, "glm4v")
+
+
+def _hf_inputs(processor, user: str, answer: str, pics: list) -> dict:
+    """HF's processor on the sample's chat render: ids, pixel_values, image_grid_thw, mm_token_type_ids."""
+    text = h.chat_text(processor.tokenizer, user, answer, len(pics))
+    out = processor(text=[text], images=[[p.convert("RGB") for p in pics]] if pics else None, return_tensors="pt")
+    kwargs = {"input_ids": out["input_ids"][0].tolist()}
+    if pics:
+        kwargs.update(pixel_values=out["pixel_values"].float(), image_grid_thw=out["image_grid_thw"],
+                      mm_token_type_ids=out["mm_token_type_ids"])
+    return kwargs
+
+
+@pytest.fixture(scope="module")
+def built(cfg, tok, processor):
+    """Samples through the pipeline's data path, with each one's HF processor inputs, and the measured rows."""
+    samples, measured, decoded = h.through_the_data_path(h.spec_rows(SPECS), cfg, tok)
+    return samples, [_hf_inputs(processor, u, a, d) for (u, a, _), d in zip(SPECS, decoded)], measured
+
+
+# ------------------------------------------------------------------ the data path is HF's processor
+def test_ids_pixels_and_costs_equal_the_hf_processor(model, built, cfg, tok):
+    """ids (template, image blocks, stripped answers), mm_token_type_ids, grids and pixels equal HF's processor's; the
+    cost measured from the image headers before any decode is the processor's token count exactly."""
+    samples, hf, measured = built
+    image_id = model.hf_model.config.image_token_id
+    for s, inputs in zip(samples, hf):
+        assert s["input_ids"].tolist() == inputs["input_ids"]
+        if "pixel_values" not in inputs:
+            assert len(s["patches"]) == 0
+            continue
+        assert s["grids"].tolist() == inputs["image_grid_thw"].tolist()
+        ours = model.forward_inputs(collate("pad", [s], tok.pad_token_id))
+        assert torch.equal(ours["mm_token_type_ids"], inputs["mm_token_type_ids"].int())
+        assert ours["pixel_values"].shape == inputs["pixel_values"].shape
+        assert torch.equal(ours["pixel_values"], inputs["pixel_values"])  # bit for bit (rescaled in float64 as HF)
+        plain = normalize_patches(torch.as_tensor(s["patches"]), cfg.image.image_mean, cfg.image.image_std, 2)
+        assert not torch.equal(plain, inputs["pixel_values"])  # the float32 rescale is 1 ulp off: the check can fail
+    assert list(measured[S.TOKENS]) == [len(i["input_ids"]) for i in hf]
+    assert list(measured[S.IMAGE_TOKENS]) == [int((np.asarray(i["input_ids"]) == image_id).sum()) for i in hf]
+    assert list(measured[S.N_IMAGES]) == [len(sizes) for *_, sizes in SPECS]
+
+
+@pytest.mark.parametrize("bounds", [(2 * 4 * FACTOR ** 2, 2 * 64 * FACTOR ** 2), (12544, 9633792)])
+def test_glm_smart_resize_is_hfs_formula(cfg, bounds):
+    """data/image/smart.glm_smart_resize against HF's own GLM smart_resize over thin, tiny, odd and large sizes, at the
+    tiny checkpoint's bounds and the published ones (size 12544 .. 9633792): the same size, or HF raises and the
+    image is skipped (extreme_aspect)."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
+
+    from ray_mmbatch.data.image import ImageSkip, glm_smart_resize
+
+    icfg = copy.deepcopy(cfg.image)
+    icfg.min_pixels, icfg.max_pixels = bounds
+    sides = (1, 2, 3, 5, 9, 13, 27, 28, 29, 45, 100, 101, 599, 640, 1000, 4000, 5599, 6000)
+    for hh in sides:
+        for ww in sides:
+            try:
+                want = smart_resize(2, hh, ww, 2, FACTOR, *bounds)
+            except ValueError:
+                with pytest.raises(ImageSkip):
+                    glm_smart_resize(hh, ww, icfg)
+                continue
+            assert glm_smart_resize(hh, ww, icfg) == want, (hh, ww)
+
+
+def test_beyond_max_aspect_is_skipped_with_a_reason(cfg):
+    h.assert_extreme_aspect_skipped(cfg.image)  # HF's GLM processor refuses aspect ratios over 200
+
+
+# ------------------------------------------------------------------ exactness and its controls
+test_batch_equals_each_sample_alone = h.exactness_test()
+
+
+def _text_config(hf_model):
+    return hf_model.model.language_model.config
+
+
+def test_pack_is_exact_with_eager_attention(cfg, tok, built, reference, tol):
+    """Judged against HF's own path on eager: HF's eager and sdpa paths are 7.6e-6 apart on the MoE checkpoint."""
+    h.check_pack_exact_with_eager(glm4v, cfg, tok, built[0], reference, _text_config, tol, built[1])
+
+
+@pytest.mark.parametrize("naive", ["hf_position_id_packing", "positions_not_restarting", "text_rope_for_images",
+                                   "use_cache"])
+def test_naive_packed_feeds_are_caught(model, built, reference, tok, tol, naive):
+    """Each naive feed of the packed row moves some target token's CE by more than 100 x the tolerance:
+    hf_position_id_packing: HF's own position-id packing ([1, T] positions restarting per sample, no 3-D ids of its
+    own: GLM then treats the row as one causal sequence) -- by more than 0.1 nats; positions_not_restarting: 1-D
+    positions counting on; text_rope_for_images: restarting text positions with the image blocks' 3-D ids left
+    1-D (GLM's get_rope_index not run); use_cache: HF stops looking for packed samples."""
+    batch = collate("pack", built[0], tok.pad_token_id)
+    kwargs = model.forward_inputs(batch)
+    if naive == "hf_position_id_packing":
+        kwargs["position_ids"] = batch["position_ids"].long()
+    elif naive == "text_rope_for_images":
+        kwargs["position_ids"] = batch["position_ids"].long()[None].expand(4, -1, -1)
+    else:
+        kwargs = h.naive_inputs(model, batch, naive)
+    moved = h.check_caught(model, batch, kwargs, reference[0], naive, tol)
+    if naive == "hf_position_id_packing":
+        assert moved > 0.1
+
+
+def test_packed_positions_are_glms_get_rope_index_per_sample(model, built, tok):
+    """Rows 1-3 of the packed position ids are GLM's own get_rope_index of each sample alone (an image block's ids
+    start at its position; the text after it max(h, w) / merge later); row 0 restarts per sample."""
+    samples = built[0]
+    batch = collate("pack", samples, tok.pad_token_id)
+    pos = model.forward_inputs(batch)["position_ids"]
+    base, at = model.hf_model.model, 0
+    for s, kw in zip(samples, built[1]):
+        n = len(s["input_ids"])
+        assert pos[0, 0, at:at + n].tolist() == list(range(n))
+        if "image_grid_thw" in kw:
+            ids = torch.as_tensor(kw["input_ids"])[None]
+            want, _ = base.get_rope_index(ids, kw["mm_token_type_ids"], image_grid_thw=kw["image_grid_thw"])
+            assert torch.equal(pos[1:, :, at:at + n], want)
+            assert int(want.max()) + 1 < n  # an image block takes fewer positions than tokens
+        at += n
+
+
+test_text_only_batch_and_every_weight_gets_a_gradient = h.text_only_test(0)
+test_varlen_kwargs_only_for_flash_implementations = h.varlen_kwargs_test(_text_config)
+test_flash_attention_gets_the_varlen_metadata = h.flash_varlen_test(_text_config)
+
+
+# ------------------------------------------------------------------ configure
+_configure = partial(h.configure, glm4v)
+
+
+def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
+    im = cfg.image
+    assert (im.resize, im.patch_size, im.merge_size, im.temporal_patch_size) == ("smart_glm", PATCH, 2, 2)
+    assert (im.min_pixels, im.max_pixels) == (2 * 4 * FACTOR ** 2, 2 * 64 * FACTOR ** 2)
+    assert im.image_mean == pytest.approx(CLIP_MEAN) and im.image_std == pytest.approx(CLIP_STD)
+    assert (cfg.text.tokenizer, cfg.text.image_token, cfg.text.chat_template) == (str(ckpt), "<|image|>", "auto")
+    assert cfg.text.video_token == "" and not cfg.image.video  # no video for GLM here (models/glm4v.py)
+    again = glm4v.configure(copy.deepcopy(cfg))
+    assert again.image == cfg.image and again.text == cfg.text
+    fewer = _configure(ckpt, **{"image.max_pixels": 2 * 16 * FACTOR ** 2})  # the resolution bound: the user's choice
+    assert fewer.image.max_pixels == 2 * 16 * FACTOR ** 2
+
+
+test_configure_refuses_contradicting_settings = h.contradicting_settings_test(glm4v, [
+    ("image.patch_size", 16), ("image.merge_size", 4), ("image.image_mean", "0.4,0.4,0.4"), ("image.resize", "budget"),
+    ("image.temporal_patch_size", 3), ("text.image_token", "<|begin_of_image|>")])
+
+
+@pytest.mark.parametrize("pre,vision,match", [
+    ({"patch_size": 16}, None, "patch_size=16 disagrees"),
+    ({"temporal_patch_size": 1}, None, "temporal_patch_size=1 disagrees"),
+    ({"resample": 2}, None, "resamples"),
+    ({"do_normalize": False}, None, "do_normalize"),
+    ({"size": {"height": 224, "width": 224}}, None, "no shortest_edge and longest_edge"),
+    (None, {"spatial_merge_size": 4}, "merge_size=2 disagrees"),
+])
+def test_configure_refuses_what_the_data_path_cannot_reproduce(ckpt, tmp_path, pre, vision, match):
+    h.assert_refuses(glm4v, h.variant(ckpt, tmp_path, pre=pre, vision=vision), match)
+
+
+test_configure_refuses_other_model_types_and_no_path = h.other_model_types_test(glm4v, "a GLM-4.1V model",
+                                                                                "qwen2_vl")
+
+
+def test_create_model_refuses_a_foreign_image_token_and_an_unconfigured_resize(cfg, tok):
+    with pytest.raises(ValueError, match="image_token_id"):
+        glm4v.create_model(cfg, h.token_ids(cfg, tok) | {"image_token_id": tok.convert_tokens_to_ids("<|user|>")})
+    smart = copy.deepcopy(cfg)
+    smart.image.resize = "smart"
+    with pytest.raises(ValueError, match="call configure"):
+        glm4v.create_model(smart, h.token_ids(cfg, tok))
+
+
+def test_a_sample_with_video_stops_the_run_naming_the_video_families(cfg, tok):
+    """No video for GLM here: a sample with a clip is refused as for an image-only family (data/measure.py)."""
+    from ray_mmbatch.data.measure import VideoRefused, measure_batch
+    from ray_mmbatch.synthetic.video import clip_frames, encode_clip
+
+    raw = h.raw_rows(["v"], [[{"from": "human", "value": "<video>\nWhat happens?"},
+                              {"from": "gpt", "value": "Nothing."}]], [[encode_clip(clip_frames(4, 32, 32), fps=4)]])
+    with pytest.raises(VideoRefused, match="takes no video.*qwen2_vl"):
+        measure_batch(raw, cfg.image, tok, cfg.text)
+
+
+# ------------------------------------------------------------------ export, registry, FSDP, LoRA / freeze, verify
+def test_export_round_trip(model, cfg, built, tmp_path):
+    """export -> an HF checkpoint that loads with from_pretrained, computes the same logits (fed the packed kwargs of
+    one image sample) and configures the same way."""
+    again = h.check_export(glm4v, model, cfg, collate("pack", [built[0][1]], 0), tmp_path)
+    assert again.image == cfg.image and again.text.image_token == cfg.text.image_token
+
+
+test_registry_finds_the_backend = h.registry_test(glm4v)
+
+
+def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
+    from ray_mmbatch.models import backend_of
+    from ray_mmbatch.train import fsdp
+
+    assert backend_of(model) is glm4v
+    names = {id(m): n for n, m in model.named_modules()}
+    assert [names[id(u)] for u in fsdp.shard_units(model)] == [
+        f"hf_model.model.language_model.layers.{i}" for i in range(2)]
+    assert [names[id(m)] for m in glm4v.vision_modules(model)] == ["hf_model.model.visual"]
+    assert glm4v.state_prefix(model) == "hf_model."
+
+
+test_verify_packing_job_through_the_data_path = h.verify_packing_test(glm4v, 1024)
+
+
+def test_the_public_api_loads_it(ckpt, built, reference, tok, tol):
+    """ray_mmbatch.hf: config_from_checkpoint + load_model find this backend and pack exactly."""
+    from ray_mmbatch import hf
+
+    assert hf.config_from_checkpoint(str(ckpt)).image.resize == "smart_glm"
+    loaded = hf.load_model(str(ckpt)).eval()
+    with torch.no_grad():
+        ce = loaded.target_ce(collate("pack", built[0], tok.pad_token_id))
+    assert (ce - reference[0]).abs().max().item() < tol.ce
