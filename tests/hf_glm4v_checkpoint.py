@@ -98,6 +98,21 @@ GLM4V = (  # zai-org/GLM-4.5V chat_template.jinja, the tools branches left out (
     "{%- endif -%}"
 )
 
+# zai-org/GLM-4.1V-9B-Thinking's chat_template.jinja: a system or assistant message's content is written as is (a string
+# only; HF renders a list of parts as Python text): the data path refuses it (tests/test_models_glm4v.py)
+GLM4_1V_THINKING = (
+    "[gMASK]<sop>\n{%- for msg in messages %}\n    {%- if msg.role == 'system' %}\n<|system|>\n{{ msg.content }}\n"
+    "    {%- elif msg.role == 'user' %}\n<|user|>{{ '\\n' }}\n\n        {%- if msg.content is string %}\n"
+    "{{ msg.content }}\n        {%- else %}\n            {%- for item in msg.content %}\n"
+    "                {%- if item.type == 'video' or 'video' in item %}\n<|begin_of_video|><|video|><|end_of_video|>\n"
+    "                {%- elif item.type == 'image' or 'image' in item %}\n<|begin_of_image|><|image|><|end_of_image|>\n"
+    "                {%- elif item.type == 'text' %}\n{{ item.text }}\n                {%- endif %}\n"
+    "            {%- endfor %}\n        {%- endif %}\n    {%- elif msg.role == 'assistant' %}\n"
+    "        {%- if msg.metadata %}\n<|assistant|>{{ msg.metadata }}\n{{ msg.content }}\n        {%- else %}\n"
+    "<|assistant|>\n{{ msg.content }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
 _SPECIAL = ["[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>", "<|assistant|>",
             "<|observation|>", "<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>",
             "<|image|>", "<|video|>"]

@@ -239,6 +239,25 @@ def test_a_sample_with_video_stops_the_run_naming_the_video_families(cfg, tok):
         measure_batch(raw, cfg.image, tok, cfg.text)
 
 
+def test_glm_4_1v_thinkings_template_is_refused_naming_why(ckpt, tmp_path):
+    """GLM-4.1V-9B-Thinking's published template writes a system / assistant message's content as is, a list of parts
+    as Python text (HF's own render does so too): the data path refuses it, saying so, rather than train on it."""
+    from transformers import AutoTokenizer
+
+    from ray_mmbatch.data.text.encoder import tokenizer_for
+    from ray_mmbatch.data.text.template import ChatTemplateError
+    from tests.hf_glm4v_checkpoint import GLM4_1V_THINKING
+
+    d = h.variant(ckpt, tmp_path)
+    (d / "chat_template.jinja").write_text(GLM4_1V_THINKING)
+    rendered = AutoTokenizer.from_pretrained(str(d)).apply_chat_template(
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}], tokenize=False)
+    assert rendered == "[gMASK]<sop><|user|>\nHi<|assistant|>\nHello."  # string content renders as published
+    cfg41 = _configure(d)
+    with pytest.raises(ChatTemplateError, match="content parts as Python text"):
+        h.through_the_data_path(h.spec_rows(SPECS[:2]), cfg41, tokenizer_for(cfg41.text))
+
+
 # ------------------------------------------------------------------ export, registry, FSDP, LoRA / freeze, verify
 def test_export_round_trip(model, cfg, built, tmp_path):
     """export -> an HF checkpoint that loads with from_pretrained, computes the same logits (fed the packed kwargs of

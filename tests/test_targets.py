@@ -68,6 +68,8 @@ FAMILIES = {
     # Qwen3.5: the think block only on the turn after the last user turn, whose generation prompt opens it
     # (derived from HF's mask on a marked copy of the template, _qwen3_5_turns: the template is not incremental)
     "qwen3_5": (("qwen3_5",), "qwen3_vl", None, (("", "", "\n</think>\n\n"), "<|im_end|>", "\n")),
+    # GLM-4.5V's template: an empty think block before every answer, no end-of-turn token (the next <|user|> ends it)
+    "glm4v": (("glm4v",), "glm4v", None, ("\n<think></think>\n", "", "")),
 }
 MARKED = [f for f, spec in FAMILIES.items() if spec[2] is not None]
 
@@ -97,6 +99,10 @@ def _make(maker: tuple, d):
         from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
 
         return make_gemma4_checkpoint(d)
+    if maker[0] == "glm4v":
+        from tests.hf_glm4v_checkpoint import make_glm4v_checkpoint
+
+        return make_glm4v_checkpoint(d)
     if maker[0] == "qwen3_5":
         from tests.hf_checkpoints import make_qwen3_5_checkpoint
 
