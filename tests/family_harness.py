@@ -341,6 +341,48 @@ def check_pack_exact_with_eager(backend, cfg, tok, samples: list[dict], referenc
     assert (ce - reference[0]).abs().max().item() < tol.ce
 
 
+def check_freeze_and_lora(backend, cfg, tok, samples: list[dict], hf_kwargs: list[dict], parts: dict[str, str],
+                          lora_in: str, tol: float, tmp_path) -> None:
+    """--freeze names the parts (``parts``: part -> a substring every one of its weight names has) and freezes exactly
+    them; LoRA (default: the language model's linear layers, ``lora_in`` among them) trains adapters only, a packed
+    batch of ``samples`` stays exact (``tol``) against each sample alone through the adapted HF model (``hf_kwargs``:
+    reference_ce's inputs), the adapters change it, and the exported adapter reloads with PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from ray_mmbatch.models import trainable as T
+
+    frozen = backend.create_model(cfg, token_ids(cfg, tok))
+    named = T.part_parameters(frozen)
+    for part, where in parts.items():
+        assert named[part] and all(where in n for n, _ in named[part]), part
+    T.freeze(frozen, ",".join(parts))
+    assert {n for n, p in frozen.named_parameters() if not p.requires_grad} == {n for k in parts for n, _ in named[k]}
+    lcfg = copy.deepcopy(cfg)
+    lcfg.model.lora_rank, lcfg.model.lora_alpha = 4, 8.0
+    model = backend.create_model(lcfg, token_ids(cfg, tok)).eval()
+    torch.manual_seed(2)  # the adapters' draws do not depend on which tests ran before
+    T.configure_trainable(model, lcfg)
+    trains = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trains and all("lora_" in n for n in trains) and any(lora_in in n for n in trains)
+    with torch.no_grad():  # lora_B starts at zero: draw it so the adapters change the model
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.1)
+
+    def alone(hf_model) -> torch.Tensor:
+        return torch.cat([reference_ce(hf_model, s["labels"], **kw) for s, kw in zip(samples, hf_kwargs)])
+
+    with torch.no_grad():
+        want, ce = alone(model.hf_model), model.target_ce(collate("pack", samples, tok.pad_token_id))
+        assert (ce - want).abs().max().item() < tol
+        assert (want - alone(frozen.hf_model)).abs().max().item() > 1e-2  # the adapters matter
+        d = T.export_adapter(model, tmp_path / "adapter", lcfg.model.path)
+        base = AutoModelForImageTextToText.from_pretrained(lcfg.model.path, dtype=torch.float32)
+        merged = PeftModel.from_pretrained(base, str(d)).merge_and_unload().eval()
+        assert (alone(merged) - want).abs().max().item() < 1e-4
+
+
 # ------------------------------------------------------------------ flash attention's varlen metadata
 def check_flash_varlen(model, text_config, pack: dict, pad: dict, reference: torch.Tensor, tol: Tolerance) -> None:
     """On a flash-named implementation the packed row's cu_seq_lens / max_length reach every decoder layer's

@@ -281,6 +281,13 @@ def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
     assert glm4v.state_prefix(model) == "hf_model."
 
 
+def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tol, tmp_path):
+    """--freeze: vision = the tower less its merger, projector = the merger (LLaMA-Factory's split for GLM-4.1V);
+    LoRA on the language model's linear layers keeps a packed batch exact and reloads with PEFT."""
+    h.check_freeze_and_lora(glm4v, cfg, tok, built[0], built[1], {"vision": ".visual.", "projector": ".visual.merger."},
+                            ".self_attn.q_proj.", tol.ce, tmp_path)
+
+
 test_verify_packing_job_through_the_data_path = h.verify_packing_test(glm4v, 1024)
 
 
