@@ -63,6 +63,9 @@ text model 256 x 4 layers (head_dim 64; three sliding-window layers of 512 token
 16; logit softcap 30), its vision tower 128 x 2 layers in 16-px patches pooled 3 x 3, max_soft_tokens 70: the
 aspect kept, up to 70 tokens per image, every image padded to 630 patches in the tower; sdpa with explicit
 per-layer masks in pack mode).
+``glm4v-tiny`` builds a random GLM-4.1V (``tiny_glm4v_checkpoint``: tests/hf_glm4v_checkpoint with a GLM text model
+256 x 4 layers (head_dim 64, half rotary, 3-D sections 4 + 6 + 6), the tiny test vision tower (32 wide, 2 blocks,
+14-px patches), the built-in default's pixel bounds per frame; pack mode: GLM's get_rope_index per sample).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -251,6 +254,27 @@ def tiny_gemma4_checkpoint(directory: str, seed: int = 0) -> str:
 
 
 TINY_CHECKPOINTS[TINY_GEMMA4] = tiny_gemma4_checkpoint
+
+
+TINY_GLM4V = "glm4v-tiny"
+
+
+def tiny_glm4v_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random GLM-4.1V checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_glm4v_checkpoint import make_glm4v_checkpoint
+
+    image = Config().image  # GLM counts a still image's area over its 2 frames: twice the per-frame bounds
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [4, 6, 6]}
+    make_glm4v_checkpoint(directory, initializer_range=0.02, seed=seed, text={**TINY_TEXT, "rope_parameters": rope},
+                          image_processor={"size": {"shortest_edge": 2 * image.min_pixels,
+                                                    "longest_edge": 2 * image.max_pixels}})
+    return directory
+
+
+TINY_CHECKPOINTS[TINY_GLM4V] = tiny_glm4v_checkpoint
 
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:
@@ -475,8 +499,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--window", type=int, default=2048, help="planning window (samples)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--model", default="", help=f"HF checkpoint dir, or {TINY_QWEN} / {TINY_INTERNVL} / {TINY_GEMMA3} / "
-                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} / {TINY_GEMMA4} (a random Qwen2-VL / "
-                   "InternVL / Gemma 3 / LLaVA-OneVision / SmolVLM / Qwen3.5 / Gemma 4 built in a temp dir, "
+                   f"{TINY_ONEVISION} / {TINY_SMOLVLM} / {TINY_QWEN3_5} / {TINY_GEMMA4} / {TINY_GLM4V} (a random "
+                   "Qwen2-VL / InternVL / Gemma 3 / LLaVA-OneVision / SmolVLM / Qwen3.5 / Gemma 4 / GLM-4.1V built in "
+                   "a temp dir, "
                    "see the module header); default: the "
                    "built-in model")
     p.add_argument("--attention", default="sdpa",
