@@ -139,9 +139,9 @@ def make_glm4v_checkpoint(directory, model_type: str = "glm4v", initializer_rang
                           text: dict | None = None, image_processor: dict | None = None) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``text`` / ``image_processor`` override fields of the
     text config and the image processor (benchmarks widen the model)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    from tests.hf_checkpoints import save_random_model
 
     if model_type not in GLM4V_MODEL_TYPES:
         raise ValueError(f"model_type must be one of {GLM4V_MODEL_TYPES}, got {model_type!r}")
@@ -165,11 +165,7 @@ def make_glm4v_checkpoint(directory, model_type: str = "glm4v", initializer_rang
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH, image_size=8 * PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=text_config["hidden_size"],
                   initializer_range=initializer_range)
-    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=vision,
-                                  initializer_range=initializer_range, tie_word_embeddings=False, **ids)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(d, safe_serialization=True)
+    save_random_model(d, model_type, text_config, vision, initializer_range, seed, ids)
 
     processor_kw = {"patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2,
                     "size": {"shortest_edge": 2 * 4 * FACTOR * FACTOR, "longest_edge": 2 * 64 * FACTOR * FACTOR}}

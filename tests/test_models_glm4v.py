@@ -16,38 +16,21 @@ from __future__ import annotations
 import copy
 from functools import partial
 
-import numpy as np
 import pytest
 import torch
 
-from ray_mmbatch import schema as S
 from ray_mmbatch.models import glm4v
 from ray_mmbatch.models.hf_common import CLIP_MEAN, CLIP_STD, normalize_patches
 from tests import family_harness as h
 from tests.family_harness import collate
 from tests.hf_glm4v_checkpoint import FACTOR, GLM4V_MODEL_TYPES, PATCH, make_glm4v_checkpoint
 
-LONG = ("Tell me, in as many words as you like, what you see when you look at the long strip of noise with "
-        "one bright red stripe across it, and why a stripe like that would be drawn there at all.")
-# text only, one wide image, a thin one (GLM scales a side under 28 px up) with a square one, a small one (scaled up
-# to the 4-token minimum); answers ending in spaces (the template strips them)
-SPECS = [
-    (LONG, "I see noise. The stripe marks a row, so that a wrong resize or crop would show. ", []),
-    ("<image>\nDescribe the picture in a few words please.", "A noisy strip with a bright stripe.", [(170, 45)]),
-    ("<image>\n<image>\nCompare these two images.", "The first is a thin line, the second a square.  ",
-     [(9, 150), (64, 64)]),
-    ("<image>\nColour?", "Red on grey.", [(20, 30)]),
-]
+# text only; a wide image; a thin one (GLM scales a side under 28 px up) with a square one; a 1 x 1 one (scaled up to
+# 28 px, then to the 4-token minimum), answered with trailing spaces (the template strips them)
+SPECS = h.tiled_specs((9, 150), 64, "Red on grey.  ")
 
-ckpt, cfg, tok, model, reference, _tol = h.family_fixtures(
+ckpt, cfg, tok, model, reference, tol = h.family_fixtures(  # tol: TOLERANCE["glm4v"] / ["glm4v_moe"]
     glm4v, make_glm4v_checkpoint, params=GLM4V_MODEL_TYPES, ids=list(GLM4V_MODEL_TYPES))
-del _tol  # one TOLERANCE per model type (dense, MoE), not per backend: the fixture below
-
-
-@pytest.fixture(scope="module")
-def tol(model):
-    return h.TOLERANCE[model.hf_model.config.model_type]
-
 
 @pytest.fixture(scope="module")
 def processor(ckpt):
@@ -69,32 +52,22 @@ def _hf_inputs(processor, user: str, answer: str, pics: list) -> dict:
 
 @pytest.fixture(scope="module")
 def built(cfg, tok, processor):
-    """Samples through the pipeline's data path, with each one's HF processor inputs, and the measured rows."""
-    samples, measured, decoded = h.through_the_data_path(h.spec_rows(SPECS), cfg, tok)
-    return samples, [_hf_inputs(processor, u, a, d) for (u, a, _), d in zip(SPECS, decoded)], measured
+    return h.build_specs(SPECS, cfg, tok, partial(_hf_inputs, processor))
 
 
 # ------------------------------------------------------------------ the data path is HF's processor
 def test_ids_pixels_and_costs_equal_the_hf_processor(model, built, cfg, tok):
     """ids (template, image blocks, stripped answers), mm_token_type_ids, grids and pixels equal HF's processor's; the
     cost measured from the image headers before any decode is the processor's token count exactly."""
-    samples, hf, measured = built
-    image_id = model.hf_model.config.image_token_id
-    for s, inputs in zip(samples, hf):
-        assert s["input_ids"].tolist() == inputs["input_ids"]
-        if "pixel_values" not in inputs:
-            assert len(s["patches"]) == 0
-            continue
-        assert s["grids"].tolist() == inputs["image_grid_thw"].tolist()
-        ours = model.forward_inputs(collate("pad", [s], tok.pad_token_id))
-        assert torch.equal(ours["mm_token_type_ids"], inputs["mm_token_type_ids"].int())
-        assert ours["pixel_values"].shape == inputs["pixel_values"].shape
-        assert torch.equal(ours["pixel_values"], inputs["pixel_values"])  # bit for bit (rescaled in float64 as HF)
-        plain = normalize_patches(torch.as_tensor(s["patches"]), cfg.image.image_mean, cfg.image.image_std, 2)
-        assert not torch.equal(plain, inputs["pixel_values"])  # the float32 rescale is 1 ulp off: the check can fail
-    assert list(measured[S.TOKENS]) == [len(i["input_ids"]) for i in hf]
-    assert list(measured[S.IMAGE_TOKENS]) == [int((np.asarray(i["input_ids"]) == image_id).sum()) for i in hf]
-    assert list(measured[S.N_IMAGES]) == [len(sizes) for *_, sizes in SPECS]
+    h.check_ids_and_costs(built, model.hf_model.config.image_token_id, SPECS)
+    for s, inputs in zip(*built[:2]):
+        if "pixel_values" in inputs:
+            assert s["grids"].tolist() == inputs["image_grid_thw"].tolist()
+            ours = model.forward_inputs(collate("pad", [s], tok.pad_token_id))
+            assert torch.equal(ours["mm_token_type_ids"], inputs["mm_token_type_ids"].int())
+            assert torch.equal(ours["pixel_values"], inputs["pixel_values"])  # bit for bit (rescaled in float64 as HF)
+            plain = normalize_patches(torch.as_tensor(s["patches"]), cfg.image.image_mean, cfg.image.image_std, 2)
+            assert not torch.equal(plain, inputs["pixel_values"])  # a float32 rescale is 1 ulp off: the check can fail
 
 
 @pytest.mark.parametrize("bounds", [(2 * 4 * FACTOR ** 2, 2 * 64 * FACTOR ** 2), (12544, 9633792)])
@@ -203,6 +176,15 @@ test_configure_refuses_contradicting_settings = h.contradicting_settings_test(gl
     ("image.temporal_patch_size", 3), ("text.image_token", "<|begin_of_image|>")])
 
 
+def test_create_model_refuses_a_foreign_image_token_and_an_unconfigured_resize(cfg, tok):
+    with pytest.raises(ValueError, match="image_token_id"):
+        glm4v.create_model(cfg, h.token_ids(cfg, tok) | {"image_token_id": tok.convert_tokens_to_ids("<|user|>")})
+    smart = copy.deepcopy(cfg)
+    smart.image.resize = "smart"
+    with pytest.raises(ValueError, match="call configure"):
+        glm4v.create_model(smart, h.token_ids(cfg, tok))
+
+
 @pytest.mark.parametrize("pre,vision,match", [
     ({"patch_size": 16}, None, "patch_size=16 disagrees"),
     ({"temporal_patch_size": 1}, None, "temporal_patch_size=1 disagrees"),
@@ -213,19 +195,6 @@ test_configure_refuses_contradicting_settings = h.contradicting_settings_test(gl
 ])
 def test_configure_refuses_what_the_data_path_cannot_reproduce(ckpt, tmp_path, pre, vision, match):
     h.assert_refuses(glm4v, h.variant(ckpt, tmp_path, pre=pre, vision=vision), match)
-
-
-test_configure_refuses_other_model_types_and_no_path = h.other_model_types_test(glm4v, "a GLM-4.1V model",
-                                                                                "qwen2_vl")
-
-
-def test_create_model_refuses_a_foreign_image_token_and_an_unconfigured_resize(cfg, tok):
-    with pytest.raises(ValueError, match="image_token_id"):
-        glm4v.create_model(cfg, h.token_ids(cfg, tok) | {"image_token_id": tok.convert_tokens_to_ids("<|user|>")})
-    smart = copy.deepcopy(cfg)
-    smart.image.resize = "smart"
-    with pytest.raises(ValueError, match="call configure"):
-        glm4v.create_model(smart, h.token_ids(cfg, tok))
 
 
 def test_a_sample_with_video_stops_the_run_naming_the_video_families(cfg, tok):
@@ -267,18 +236,11 @@ def test_export_round_trip(model, cfg, built, tmp_path):
 
 
 test_registry_finds_the_backend = h.registry_test(glm4v)
+test_configure_refuses_other_model_types_and_no_path = h.other_model_types_test(glm4v, "a GLM-4.1V model",
+                                                                                "qwen2_vl")
 
 
-def test_fsdp_units_are_the_decoder_layers_and_vision_is_apart(model):
-    from ray_mmbatch.models import backend_of
-    from ray_mmbatch.train import fsdp
-
-    assert backend_of(model) is glm4v
-    names = {id(m): n for n, m in model.named_modules()}
-    assert [names[id(u)] for u in fsdp.shard_units(model)] == [
-        f"hf_model.model.language_model.layers.{i}" for i in range(2)]
-    assert [names[id(m)] for m in glm4v.vision_modules(model)] == ["hf_model.model.visual"]
-    assert glm4v.state_prefix(model) == "hf_model."
+test_fsdp_units_are_the_decoder_layers_and_vision_is_apart = h.fsdp_layers_test(glm4v, 2, ["hf_model.model.visual"])
 
 
 def test_freeze_parts_and_lora_keep_packing_exact(cfg, tok, built, tol, tmp_path):
