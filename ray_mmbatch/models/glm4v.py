@@ -27,11 +27,12 @@ ended by the next ``<|user|>`` (HF's generation_config stops on ``<|user|>`` / `
 ``<|endoftext|>``). The trained tokens are the answer as the template renders it; nothing that stops generation is
 trained (as for LLaVA-1.5's template; tests/test_targets.py).
 
-MoE (``glm4v_moe``, GLM-4.5V): the loss is the cross-entropy only. HF adds ``router_aux_loss_coef`` x the
-load-balancing loss only with ``output_router_logits`` (off in the published config and here), so it is not added,
-packed or padded: over a packed row it would count the balance over all its samples' tokens at once, so it could
-not equal the per-sample sum; exactness is stated on the CE. GLM-4.5V's router is sigmoid-scored with a
-correction bias (noaux_tc), trained without an auxiliary loss by design.
+MoE (``glm4v_moe``, GLM-4.5V): the loss is the cross-entropy only. HF's ForConditionalGeneration adds
+``router_aux_loss_coef`` x the load-balancing loss when ``output_router_logits`` is set; HFModel runs the base
+model and its own loss, so it is never added, packed or padded, whatever the config says: over a packed row it
+would count the balance over all its samples' tokens at once and could not equal the per-sample sum; exactness is
+stated on the CE. The router (sigmoid scores plus ``e_score_correction_bias``, a buffer HF never updates) trains
+through the CE.
 
 Video: not taken yet (``<|begin_of_video|>`` frames with timestamps in the text need GLM's video processor, whose
 HF class needs torchvision): a sample with a video stops the run naming the families that take video, as for an
