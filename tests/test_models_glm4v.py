@@ -131,6 +131,22 @@ def test_naive_packed_feeds_are_caught(model, built, reference, tok, tol, naive)
         assert moved > 0.1
 
 
+def test_the_loss_is_the_cross_entropy_only_even_with_router_logits_on(model, built, reference, tok, tol):
+    """MoE: the training loss of a packed batch is the sum of each sample's CE alone, with the config's
+    output_router_logits on too (HF's model class would add router_aux_loss_coef x the balance loss; the backend runs
+    the base model and its own loss)."""
+    config = model.hf_model.config.get_text_config()
+    saved = getattr(config, "output_router_logits", False)
+    config.output_router_logits = True
+    try:
+        with torch.no_grad():
+            ce_sum, n = model(collate("pack", built[0], tok.pad_token_id), loss_only=True)
+    finally:
+        config.output_router_logits = saved
+    assert int(n) == reference[0].numel()
+    assert abs(float(ce_sum) - float(reference[0].sum())) < tol.ce * int(n)
+
+
 def test_packed_positions_are_glms_get_rope_index_per_sample(model, built, tok):
     """Rows 1-3 of the packed position ids are GLM's own get_rope_index of each sample alone (an image block's ids
     start at its position; the text after it max(h, w) / merge later); row 0 restarts per sample."""
