@@ -21,11 +21,13 @@ first scales an image with a side under 28 px up to 28 and counts the area over 
 (resize='smart_glm', data/image/smart.py), with its bounds in ``size`` {shortest_edge, longest_edge} only (HF's GLM
 processor reads no top-level min_pixels / max_pixels: neither does this); the image block is
 ``<|begin_of_image|>`` + n x ``<|image|>`` + ``<|end_of_image|>`` (the template writes one ``<|image|>``, the data
-path expands it as HF's processor does); the template (GLM-4.1V-9B-Thinking's) starts every render with
-``[gMASK]<sop>``, writes no BOS and no end-of-turn token: an assistant turn is ``<|assistant|>\\n`` + the answer,
-ended by the next ``<|user|>`` (HF's generation_config stops on ``<|user|>`` / ``<|observation|>`` /
-``<|endoftext|>``). The trained tokens are the answer as the template renders it; nothing that stops generation is
-trained (as for LLaVA-1.5's template; tests/test_targets.py).
+path expands it as HF's processor does). The template (GLM-4.5V's, GLM-4.6V's) starts every render with
+``[gMASK]<sop>``, writes no BOS and no end-of-turn token: an assistant turn is ``<|assistant|>`` +
+``\\n<think></think>`` + ``\\n`` + the stripped answer, ended by the next ``<|user|>`` (HF's generation_config
+stops on ``<|user|>`` / ``<|observation|>`` / ``<|endoftext|>``). The trained tokens are the turn as the template
+renders it after the generation prompt ``<|assistant|>``; nothing that stops generation is trained (as for
+LLaVA-1.5's template; tests/test_targets.py). GLM-4.1V-9B-Thinking's template writes a system / assistant content
+as is (a list of parts as Python text): the data path refuses it (data/text/template.py).
 
 MoE (``glm4v_moe``, GLM-4.5V): the loss is the cross-entropy only. HF's ForConditionalGeneration adds
 ``router_aux_loss_coef`` x the load-balancing loss when ``output_router_logits`` is set; HFModel runs the base
