@@ -37,9 +37,12 @@ stated on the CE. The router (sigmoid scores plus ``e_score_correction_bias``, a
 through the CE.
 
 Video: not taken yet (``<|begin_of_video|>`` frames with timestamps in the text need GLM's video processor, whose
-HF class needs torchvision): a sample with a video stops the run naming the families that take video, as for an
-image-only family (data/measure.py). Cost: Qwen-VL's adapter's (one ``get_rope_index`` per packed sample with
-images); ``configure`` reads two JSON files and the tokenizer. Importing this module imports no torch.
+HF class needs torchvision; and HF's forward refuses images and videos in one call, since a video frame's tokens
+are ``<|image|>`` too and both placeholder masks take every one): a sample with a video stops the run naming the
+families that take video, as for an image-only family (data/measure.py).
+
+Cost: Qwen-VL's adapter's (one ``get_rope_index`` per packed sample with images); ``configure`` reads two JSON
+files and the tokenizer. Importing this module imports no torch.
 """
 from __future__ import annotations
 
