@@ -69,6 +69,9 @@ per-layer masks in pack mode).
 ``mistral3-tiny`` builds a random Mistral 3 (``tiny_mistral3_checkpoint``: tests/hf_mistral3_checkpoint with a
 Mistral text model 256 x 4 layers (head_dim 64), a Pixtral tower 128 x 2 layers in 14-px patches merged 2 x 2,
 longest edge 224 px: the aspect kept, up to 8 rows of 8 tokens an image plus a break / end token per row).
+``glm4v-tiny`` builds a random GLM-4.1V (``tiny_glm4v_checkpoint``: tests/hf_glm4v_checkpoint with a GLM text model
+256 x 4 layers (head_dim 64, half rotary, 3-D sections 4 + 6 + 6), the tiny test vision tower (32 wide, 2 blocks,
+14-px patches), the built-in default's pixel bounds per frame; pack mode: GLM's get_rope_index per sample).
 
     python benchmarks/bench_train.py [--samples 800] [--max-tokens 8192] [--json PATH]
     python benchmarks/bench_train.py --model qwen2_vl-tiny --max-tokens 4096 \
@@ -298,6 +301,25 @@ def tiny_mistral3_checkpoint(directory: str, seed: int = 0) -> str:
 
 
 TINY_CHECKPOINTS[TINY_MISTRAL3] = tiny_mistral3_checkpoint
+TINY_GLM4V = "glm4v-tiny"
+
+
+def tiny_glm4v_checkpoint(directory: str, seed: int = 0) -> str:
+    """A random GLM-4.1V checkpoint dir (module header), built by the test builder at the benchmark's width."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    from tests.hf_glm4v_checkpoint import make_glm4v_checkpoint
+
+    image = Config().image  # GLM counts a still image's area over its 2 frames: twice the per-frame bounds
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [4, 6, 6]}
+    make_glm4v_checkpoint(directory, initializer_range=0.02, seed=seed, text={**TINY_TEXT, "rope_parameters": rope},
+                          image_processor={"size": {"shortest_edge": 2 * image.min_pixels,
+                                                    "longest_edge": 2 * image.max_pixels}})
+    return directory
+
+
+TINY_CHECKPOINTS[TINY_GLM4V] = tiny_glm4v_checkpoint
 
 
 def model_setup(args, tmp: str) -> tuple[Config, object, dict, object, str]:

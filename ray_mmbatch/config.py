@@ -62,8 +62,11 @@ class ImageConfig:
     or 'split' (Idefics3 / SmolVLM image splitting: Lanczos to the longest edge max_tiles * image_size, then rows x
     cols image_size views plus a global view) or 'global' (the same without splitting: one image_size view)
     or 'budget' (Gemma 4: the aspect kept, bicubic to sides that are multiples of patch_size*merge_size with an
-    area of at most max_pixels, small images scaled up; see data/image/budget.py) or 'pixtral' (Mistral 3: sides at
-    most image_size, then rounded up to multiples of patch_size*merge_size; see data/image/pixtral.py)."""
+    area of at most max_pixels, small images scaled up; see data/image/budget.py), 'pixtral' (Mistral 3: sides at
+    most image_size, then rounded up to multiples of patch_size*merge_size; see data/image/pixtral.py)
+    or 'smart_glm' (GLM-4.1V / 4.5V:
+    'smart' with a side under patch_size*merge_size scaled up first and the area counted over temporal_patch_size
+    frames, as HF's Glm4vImageProcessor; see data/image/smart.py)."""
     image_size: int = 336
     """resize='fixed' / 'squash' / 'tiles': side of the square image (tile) the vision tower sees (pixels).
     resize='pixtral': the longest edge (HF ``size['longest_edge']``)."""

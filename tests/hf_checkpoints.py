@@ -72,6 +72,20 @@ def start_checkpoint(directory, special: list[str], chat_template: str, **kwargs
     return d, tok
 
 
+def save_random_model(d: Path, model_type: str, text_config: dict, vision_config: dict, initializer_range: float,
+                      seed: int, ids: dict):
+    """A random ``model_type`` model (untied embeddings; ``ids``: config.json's token ids) drawn with ``seed`` and saved
+    into ``d``; returns its config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=vision_config,
+                                  initializer_range=initializer_range, tie_word_embeddings=False, **ids)
+    torch.manual_seed(seed)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(d, safe_serialization=True)
+    return config
+
+
 def small_text_config(tok, initializer_range: float, max_positions: int, overrides: dict | None = None) -> dict:
     """The text model's config fields of the tiny checkpoints (64 wide, 2 layers, 4 heads, 2 KV heads, untied
     embeddings over the whole tokenizer ``tok``), ``overrides`` last (the benchmarks widen the model)."""
@@ -85,9 +99,7 @@ def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 
                          image_processor: dict | None = None, text: dict | None = None) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``image_processor`` overrides processor fields,
     ``text`` text_config fields (benchmarks/bench_train.py widens the model)."""
-    import torch
     from tokenizers import AddedToken
-    from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
@@ -109,12 +121,7 @@ def make_qwen_checkpoint(directory, model_type: str, initializer_range: float = 
     text_config = {**_text_config(model_type, vocab, tok, initializer_range), **(text or {})}
     vision_config = dict(_vision_config(model_type, initializer_range),
                          **({"out_hidden_size": text_config["hidden_size"]} if model_type in _QWEN3 else {}))
-    config = AutoConfig.for_model(model_type, text_config=text_config,
-                                  vision_config=vision_config,
-                                  initializer_range=initializer_range, tie_word_embeddings=False, **ids)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(d, safe_serialization=True)
+    config = save_random_model(d, model_type, text_config, vision_config, initializer_range, seed, ids)
 
     patch = config.vision_config.patch_size
     factor = patch * config.vision_config.spatial_merge_size
@@ -202,9 +209,7 @@ def make_qwen3_5_checkpoint(directory, model_type: str = "qwen3_5", initializer_
     </think>; chat template QWEN3_5) and preprocessor_config.json from HF's Qwen2-VL PIL image processor (mean /
     std 0.5 as Qwen3.5's, 4 .. 64 merged tokens per image). ``text`` overrides text config fields (the
     benchmark widens the model). initializer_range 0.2 as the other makers, for visible leaks."""
-    import torch
     from tokenizers import AddedToken
-    from transformers import AutoConfig, AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
@@ -238,11 +243,7 @@ def make_qwen3_5_checkpoint(directory, model_type: str = "qwen3_5", initializer_
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16, spatial_merge_size=2,
                   temporal_patch_size=2, out_hidden_size=text_config["hidden_size"], num_position_embeddings=64,
                   initializer_range=initializer_range)
-    config = AutoConfig.for_model(model_type, text_config=text_config, vision_config=vision,
-                                  initializer_range=initializer_range, tie_word_embeddings=False, **ids)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config)
-    model.save_pretrained(d, safe_serialization=True)
+    save_random_model(d, model_type, text_config, vision, initializer_range, seed, ids)
 
     factor = 16 * 2
     processor_kw = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3,

@@ -115,7 +115,7 @@ def trained_positions(labels) -> list[int]:
 # ------------------------------------------------------------------ HF's processors
 _VIDEO_PROCESSORS = {"qwen2_vl": "Qwen2VLProcessor", "qwen2_5_vl": "Qwen2_5_VLProcessor",
                      "qwen3_vl": "Qwen3VLProcessor", "llava_onevision": "LlavaOnevisionProcessor",
-                     "internvl": "InternVLProcessor", "smolvlm": "SmolVLMProcessor"}
+                     "internvl": "InternVLProcessor", "smolvlm": "SmolVLMProcessor", "glm4v": "Glm4vProcessor"}
 
 
 def _without_video(cls):

@@ -71,6 +71,8 @@ FAMILIES = {
     "qwen3_5": (("qwen3_5",), "qwen3_vl", None, (("", "", "\n</think>\n\n"), "<|im_end|>", "\n")),
     # Mistral 3: the answer and </s> right after [/INST], nothing after the turn (HF's mask: test_models_mistral3)
     "mistral3": (("mistral3",), "mistral3", None, ("", "</s>", "")),
+    # GLM-4.5V's template: an empty think block before every answer, no end-of-turn token (the next <|user|> ends it)
+    "glm4v": (("glm4v",), "glm4v", None, ("\n<think></think>\n", "", "")),
 }
 MARKED = [f for f, spec in FAMILIES.items() if spec[2] is not None]
 
@@ -100,6 +102,10 @@ def _make(maker: tuple, d):
         from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
 
         return make_gemma4_checkpoint(d)
+    if maker[0] == "glm4v":
+        from tests.hf_glm4v_checkpoint import make_glm4v_checkpoint
+
+        return make_glm4v_checkpoint(d)
     if maker[0] == "qwen3_5":
         from tests.hf_checkpoints import make_qwen3_5_checkpoint
 

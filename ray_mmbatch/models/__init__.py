@@ -47,6 +47,7 @@ REGISTRY: dict[str, str] = {
     "qwen3_5": "ray_mmbatch.models.qwen3_5",
     "gemma4": "ray_mmbatch.models.gemma4",
     "mistral3": "ray_mmbatch.models.mistral3",
+    "glm4v": "ray_mmbatch.models.glm4v",
 }
 
 

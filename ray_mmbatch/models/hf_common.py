@@ -333,14 +333,16 @@ def enable_activation_checkpointing(hf_model) -> None:
         hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-def normalize_patches(patches: torch.Tensor, mean, std, temporal: int = 1) -> torch.Tensor:
+def normalize_patches(patches: torch.Tensor, mean, std, temporal: int = 1, rescale64: bool = False) -> torch.Tensor:
     """uint8 [P, 3 * ps * ps] (channel-major patches) -> float32 [P, 3 * temporal * ps * ps].
 
     Each patch vector becomes (channel, frame, py, px), frames identical: Qwen-VL's
-    ``pixel_values`` row layout. ``temporal=1`` gives CLIP-style normalized patches.
+    ``pixel_values`` row layout. ``temporal=1`` gives CLIP-style normalized patches. ``rescale64``: the 1/255
+    rescale in float64, rounded once to float32, as HF's PIL processors rescale (their very pixels, not 1 ulp off).
     """
     p = patches.shape[0]
-    x = patches.reshape(p, 3, -1).to(torch.float32) * (1.0 / 255.0)
+    x = patches.reshape(p, 3, -1)
+    x = (x.to(torch.float64) * (1.0 / 255.0)).to(torch.float32) if rescale64 else x.to(torch.float32) * (1.0 / 255.0)
     m = torch.as_tensor(mean, dtype=torch.float32, device=x.device).view(1, 3, 1)
     s = torch.as_tensor(std, dtype=torch.float32, device=x.device).view(1, 3, 1)
     x = (x - m) / s

@@ -57,10 +57,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _vision_geometry(path: str, model_json: dict, processor: dict) -> dict[str, int]:
+    model_type = model_json["model_type"]
+    return vision_geometry(path, model_json, processor, _VISION_DEFAULTS[_SAME_AS.get(model_type, model_type)])
+
+
+def vision_geometry(path: str, model_json: dict, processor: dict, defaults: dict[str, int]) -> dict[str, int]:
     """patch / merge / temporal sizes: config.json's vision_config (what the model is built with; a key
-    it leaves out takes HF's class default), which the image processor must agree with."""
+    it leaves out takes HF's class default in ``defaults``), which the image processor must agree with."""
     vision = model_json.get("vision_config") or {}
-    defaults = _VISION_DEFAULTS[_SAME_AS.get(model_json["model_type"], model_json["model_type"])]
     geometry = {"patch_size": vision.get("patch_size", vision.get("spatial_patch_size")),
                 "merge_size": vision.get("spatial_merge_size"),
                 "temporal_patch_size": vision.get("temporal_patch_size")}
@@ -205,9 +209,11 @@ def configure(cfg):
     return configure_qwen(cfg, "qwen_vl", "Qwen-VL", MODEL_TYPES, _vision_geometry, VIDEO_MODEL_TYPES)
 
 
-def configure_qwen(cfg, backend: str, family: str, model_types: tuple, geometry, video_types: tuple = ()):
-    """``configure`` of the Qwen-style backends (this one, models/qwen3_5.py): ``geometry(path, config.json,
-    processor)`` gives the vision sizes; video is taken for ``video_types`` (this module's _configure_video)."""
+def configure_qwen(cfg, backend: str, family: str, model_types: tuple, geometry, video_types: tuple = (),
+                   resize: str = "smart", pixel_bounds=_pixel_bounds):
+    """``configure`` of the Qwen-style backends (this one, models/qwen3_5.py, models/glm4v.py): ``geometry(path,
+    config.json, processor)`` gives the vision sizes; video is taken for ``video_types`` (this module's
+    _configure_video); ``resize``: the data path's resize mode; ``pixel_bounds(processor)``: (min, max) pixels."""
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from ray_mmbatch.models.hf_common import adopt_setting, checkpoint_files
 
@@ -223,10 +229,10 @@ def configure_qwen(cfg, backend: str, family: str, model_types: tuple, geometry,
                          "processor's settings (pixel bounds, mean/std) are unknown; copy it from the base model")
     _check_processor_steps(path, processor)
     where_model, where_proc = f"{path}/config.json vision_config", f"{path} image processor"
-    adopt_setting(cfg, "image.resize", "smart", f"{path} ({model_type}: Qwen-VL dynamic resolution)")
+    adopt_setting(cfg, "image.resize", resize, f"{path} ({model_type}: {family} dynamic resolution)")
     for key, value in geometry(path, model_json, processor).items():
         adopt_setting(cfg, f"image.{key}", value, f"{where_model} {key}")
-    lo, hi = _pixel_bounds(processor)
+    lo, hi = pixel_bounds(processor)
     adopt_setting(cfg, "image.min_pixels", lo, f"{where_proc} min_pixels", user_may_override=True)
     adopt_setting(cfg, "image.max_pixels", hi, f"{where_proc} max_pixels", user_may_override=True)
     for key in ("image_mean", "image_std"):
@@ -264,13 +270,14 @@ class QwenAdapter:
     each packed sample's M-RoPE ids come from ``get_rope_index`` on its own images and videos."""
 
     def __init__(self, base_model, image_token_id: int, mean, std, temporal: int, video_token_id: int = -1,
-                 video_mean=(), video_std=(), seconds: bool = False):
+                 video_mean=(), video_std=(), seconds: bool = False, rescale64: bool = False):
         self.base = base_model  # Qwen*VLModel: its own get_rope_index builds the M-RoPE ids
         self.image_token_id = int(image_token_id)
         self.mean, self.std, self.temporal = tuple(mean), tuple(std), int(temporal)
         self.video_token_id = int(video_token_id)
         self.video_mean, self.video_std = tuple(video_mean or mean), tuple(video_std or std)
         self.seconds = bool(seconds)  # Qwen2.5-VL: the temporal M-RoPE step follows second_per_grid_ts
+        self.rescale64 = bool(rescale64)  # pixels rescaled as HF's PIL processor does, bit for bit (normalize_patches)
 
     def token_types(self, ids):
         """mm_token_type_ids: 1 at image tokens, 2 at video tokens, 0 elsewhere."""
@@ -287,7 +294,8 @@ class QwenAdapter:
         kwargs: dict[str, Any] = {"input_ids": ids}
         if has_images:
             grids = grids.long()
-            kwargs["pixel_values"] = normalize_patches(batch["patches"], self.mean, self.std, self.temporal)
+            kwargs["pixel_values"] = normalize_patches(batch["patches"], self.mean, self.std, self.temporal,
+                                                       self.rescale64)
             kwargs["image_grid_thw"] = grids
         if has_videos:
             kwargs["pixel_values_videos"] = normalize_video_patches(batch["video_patches"], self.video_mean,

@@ -5,9 +5,10 @@ Modules, each importing only those listed before it:
 * ``core``: probe_image (header only), decoding (``_load``: Pillow, EXIF orientation, HF
   ``convert_to_rgb``), patchify / unpatchify, ImageSkip, the Resizer shape
 * one module a resize family (``ImageConfig.resize``), each reproducing one HF image processor:
-  ``smart`` ('smart': Qwen2-VL / Qwen2.5-VL / Qwen3-VL ``smart_resize``), ``tiles`` ('tiles': InternVL,
-  GotOcr2 ``crop_to_patches``), ``anyres`` ('anyres': LLaVA-OneVision), ``split`` ('split': Idefics3 /
-  SmolVLM with image splitting), ``budget`` ('budget': Gemma 4, the aspect kept within a patch budget),
+  ``smart`` ('smart': Qwen2-VL / Qwen2.5-VL / Qwen3-VL ``smart_resize``; 'smart_glm': GLM-4.1V's),
+  ``tiles`` ('tiles': InternVL, GotOcr2 ``crop_to_patches``), ``anyres`` ('anyres': LLaVA-OneVision),
+  ``split`` ('split': Idefics3 / SmolVLM with image splitting),
+  ``budget`` ('budget': Gemma 4, the aspect kept within a patch budget),
   ``pixtral`` ('pixtral': Mistral 3, the longest edge bounded, sides rounded up to merged patches),
   ``square`` (one image_size view: 'fixed' CLIP / LLaVA-1.5, 'fixed_pad'
   LLaVA ``do_pad``, 'squash' Gemma 3, 'global' Idefics3 / SmolVLM without splitting)
@@ -58,14 +59,14 @@ from ray_mmbatch.data.image.budget import budget_resize
 from ray_mmbatch.data.image.core import ImageSkip, Resizer, decoded_bytes_per_pixel, patchify, probe_image, unpatchify
 from ray_mmbatch.data.image.pixtral import pixtral_resize
 from ray_mmbatch.data.image.registry import RESIZE_MODES, RESIZERS, decode_image, image_grid, image_runs, image_tokens
-from ray_mmbatch.data.image.smart import smart_resize
+from ray_mmbatch.data.image.smart import glm_smart_resize, smart_resize
 from ray_mmbatch.data.image.split import longest_edge_size, split_grid
 from ray_mmbatch.data.image.square import shortest_edge_resize
 from ray_mmbatch.data.image.tiles import n_tiles, tile_canvas
 
 __all__ = [
     "RESIZERS", "RESIZE_MODES", "ImageSkip", "Resizer", "anyres_tiles", "anyres_tokens", "budget_resize",
-    "decode_image",
+    "decode_image", "glm_smart_resize",
     "decoded_bytes_per_pixel", "image_grid", "image_runs", "image_tokens", "longest_edge_size", "n_tiles", "patchify",
     "pixtral_resize", "probe_image", "select_best_resolution", "shortest_edge_resize", "smart_resize", "split_grid",
     "tile_canvas", "unpatchify",

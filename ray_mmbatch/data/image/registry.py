@@ -14,7 +14,7 @@ from ray_mmbatch.data.image.anyres import ANYRES
 from ray_mmbatch.data.image.budget import BUDGET
 from ray_mmbatch.data.image.core import Resizer, _check_aspect, _load, probe_image
 from ray_mmbatch.data.image.pixtral import PIXTRAL
-from ray_mmbatch.data.image.smart import SMART
+from ray_mmbatch.data.image.smart import SMART, SMART_GLM
 from ray_mmbatch.data.image.split import SPLIT
 from ray_mmbatch.data.image.square import FIXED, FIXED_PAD, GLOBAL, SQUASH
 from ray_mmbatch.data.image.tiles import TILES
@@ -30,6 +30,7 @@ RESIZERS: dict[str, Resizer] = {
     "split": SPLIT,  # Idefics3 / SmolVLM with image splitting
     "budget": BUDGET,  # Gemma 4: aspect kept, a patch budget
     "pixtral": PIXTRAL,  # Mistral 3: longest edge, sides rounded up to merged patches
+    "smart_glm": SMART_GLM,  # GLM-4.1V / 4.5V: smart with small images scaled up, the area over 2 frames
 }
 RESIZE_MODES = tuple(RESIZERS)
 

@@ -200,6 +200,10 @@ def _layout(enc: DataEncoder, shape: tuple):
     except TemplateError as e:
         return TextSkip(S.SKIP_MALFORMED_RECORD, f"chat template: {e}")
     pieces = _SENTINEL.split(full)
+    if "{'type': 'text', 'text': " in full:  # GLM-4.1V-9B-Thinking's {{ msg.content }} on system / assistant turns
+        raise ChatTemplateError("chat template writes a message's content parts as Python text ([{'type': 'text', "
+                                f"...}}]): it takes a string content only ({_describe(shape)}); use a checkpoint whose "
+                                "template renders content parts, or text.chat_template=plain")
     if [int(x) for x in pieces[1::2]] != list(range(k)):
         raise ChatTemplateError("chat template does not write each message text once, verbatim and in order "
                                 f"({_describe(shape)}); it cannot be used safely (use text.chat_template=plain)")
