@@ -48,7 +48,7 @@ from ray_mmbatch.models.inputs import batch_to_torch
 from ray_mmbatch.synthetic.video import clip_frames, encode_clip
 from tests.family_harness import TOLERANCE, image, png, token_ids
 from tests.family_harness import configure as harness_configure
-from tests.hf_checkpoints import make_qwen_checkpoint
+from tests.hf_checkpoints import make_qwen3_5_checkpoint, make_qwen_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
@@ -62,7 +62,10 @@ VIDEO_PROCESSOR = {"qwen2_vl": _QWEN2_VIDEO, "qwen2_5_vl": _QWEN2_VIDEO,
                    "qwen3_vl": dict(_QWEN2_VIDEO, video_processor_type="Qwen3VLVideoProcessor", patch_size=16,
                                     size={"shortest_edge": 8 * 32 * 32, "longest_edge": 96 * 32 * 32},
                                     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])}
-VIDEO_PROCESSOR["qwen3_vl_moe"] = VIDEO_PROCESSOR["qwen3_vl"]  # Qwen3-VL-MoE ships Qwen3-VL's processors
+# Qwen3-VL-MoE and Qwen3.5 (dense, MoE) ship Qwen3-VL's processors
+VIDEO_PROCESSOR.update(dict.fromkeys(("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"), VIDEO_PROCESSOR["qwen3_vl"]))
+AS_QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # timestamps in the text, whole-clip bounds
+QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
 
 
 def _clips() -> dict[str, bytes]:
@@ -142,21 +145,25 @@ def clips(tmp_path_factory) -> SimpleNamespace:
 
 
 def _checkpoint(tmp_path_factory, model_type: str) -> Path:
-    path = make_qwen_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
+    make = make_qwen3_5_checkpoint if model_type in QWEN3_5 else make_qwen_checkpoint
+    path = make(tmp_path_factory.mktemp(model_type), model_type)
     (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR[model_type]))
     return path
 
 
 @pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"))
 def family(request, tmp_path_factory):
+    from ray_mmbatch.models import qwen3_5
+
     path = _checkpoint(tmp_path_factory, request.param)
-    cfg = harness_configure(qwen_vl, path)
+    backend = qwen3_5 if request.param in QWEN3_5 else qwen_vl
+    cfg = harness_configure(backend, path)
     tok = load_tokenizer(cfg.text.tokenizer)
     ids = token_ids(cfg, tok)
     torch.manual_seed(0)
-    model = qwen_vl.create_model(cfg, ids).eval()
+    model = backend.create_model(cfg, ids).eval()
     return SimpleNamespace(name=request.param, path=path, cfg=cfg, tok=tok, ids=ids, model=model,
-                           tol=TOLERANCE[request.param])
+                           tol=TOLERANCE[request.param], qwen3=request.param in AS_QWEN3_VL)
 
 
 def _reference_python() -> str | None:
@@ -300,7 +307,7 @@ def test_sampler_edge_cases_equal_hf_or_are_refused_as_hf_refuses_them(clips, tm
 def test_configure_reads_the_video_processor(family):
     im, want = family.cfg.image, VIDEO_PROCESSOR[family.name]
     assert (im.video, im.video_sample_frames, im.video_fps, im.video_min_frames, im.video_max_frames) == \
-        ("qwen3_vl" if family.name == "qwen3_vl" else "qwen2_vl", True, 4.0, 2, 12)
+        ("qwen3_vl" if family.qwen3 else "qwen2_vl", True, 4.0, 2, 12)
     assert (im.video_min_pixels, im.video_max_pixels) == (want["size"]["shortest_edge"], want["size"]["longest_edge"])
     assert im.video_mean == tuple(want["image_mean"])
     assert family.cfg.text.video_token == "<|video_pad|>"
@@ -340,7 +347,7 @@ def test_header_cost_equals_the_hf_video_processor(clips, family, reference):
     # the 1-frame clip: Qwen2-VL's sampler divides by zero (both then take the clip whole); Qwen3-VL's resize
     # refuses fewer frames than temporal_patch_size (we pad it to one temporal patch): docs/data.md
     assert list(failed) == ["one_frame"], failed
-    assert failed["one_frame"].startswith("processor" if family.name == "qwen3_vl" else "sampler")
+    assert failed["one_frame"].startswith("processor" if family.qwen3 else "sampler")
     for name, data in clips.data.items():
         plan = plan_video(data, cfg)
         assert plan.indices.tolist() == reference[f"{name}/indices"].tolist(), name
@@ -348,9 +355,9 @@ def test_header_cost_equals_the_hf_video_processor(clips, family, reference):
             continue
         assert [list(plan.grid)] == reference[f"{name}/grid"].tolist(), name
         assert plan.tokens == int(np.prod(plan.grid)) // 4
-        if family.name != "qwen3_vl":  # HF's Qwen2_5_VLProcessor's second_per_grid_ts (Qwen3-VL has timestamps)
+        if not family.qwen3:  # HF's Qwen2_5_VLProcessor's second_per_grid_ts (Qwen3-VL has timestamps)
             assert plan.second_per_grid_t == pytest.approx(float(reference[f"{name}/second_per_grid"][0]), rel=1e-9)
-        if family.name == "qwen3_vl":  # the timestamped text the processor writes for the clip
+        if family.qwen3:  # the timestamped text the processor writes for the clip
             seqlen = plan.grid[1] * plan.grid[2] // 4
             ours_text = "".join(f"{t}<|vision_start|>{'<|video_pad|>' * seqlen}<|vision_end|>"
                                 for t in plan.timestamp_texts())
@@ -605,6 +612,38 @@ def test_qwen3_vl_moe_takes_video_as_qwen3_vl_does(family, clips):
     """Qwen3-VL-MoE: Qwen3-VL's video settings and timestamps, and a packed batch of clips and images exact."""
     assert family.cfg.image.video == "qwen3_vl" and family.cfg.text.video_token == "<|video_pad|>"
     test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, "pack")
+
+
+@pytest.mark.parametrize("family", QWEN3_5, indirect=True)
+def test_qwen3_5_takes_video_as_qwen3_vl_does(family, clips, reference):
+    """Qwen3.5 (dense, MoE; its repos ship Qwen3-VL's processors): configure takes the checkpoint's
+    Qwen3VLVideoProcessor settings and the video token; every clip's frames, grid, tokens, timestamped text and
+    pixels equal HF's Qwen3VLVideoProcessor / Qwen3VLProcessor; the budget counts its frames and video tokens."""
+    assert family.cfg.image.video == "qwen3_vl" and family.cfg.text.video_token == "<|video_pad|>"
+    test_configure_reads_the_video_processor(family)
+    test_header_cost_equals_the_hf_video_processor(clips, family, reference)
+    test_the_budget_counts_frames_and_video_tokens(family, clips)
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+@pytest.mark.parametrize("family", QWEN3_5, indirect=True)
+def test_qwen3_5_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode):
+    """Clips, images and text packed (each Gated DeltaNet layer told the row's samples) or padded: each sample's CE
+    equals it alone through HF's Qwen3.5 forward; controls (pack): the naive positions, and HF's own packed
+    forward (no DeltaNet segments: a clip's recurrent state and conv window leak into the next sample)."""
+    from ray_mmbatch.models import deltanet
+
+    test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode)
+    if mode == "pack":
+        samples, _ = _samples(family, clips)
+        batch = batch_to_torch(collate_pack(samples, family.ids["pad_id"]), "cpu")
+        with torch.no_grad():
+            want = torch.cat([_alone_ce(family, s) for s in samples])
+            kwargs = family.model.forward_inputs(batch)
+            assert kwargs.pop(deltanet.SEGMENTS) == tuple(batch["cu_seqlens"].tolist())
+            hidden = family.model.hf_model.model(**kwargs).last_hidden_state
+            leaked = family.model._target_ce(hidden, batch["labels"], "none")
+        assert float((leaked - want).abs().max()) > 100 * family.tol.ce
 
 
 def _naive_pack_controls(family, batch: dict, want: torch.Tensor) -> None:
