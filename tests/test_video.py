@@ -144,19 +144,23 @@ def clips(tmp_path_factory) -> SimpleNamespace:
     return SimpleNamespace(data=data, paths=paths, dir=d)
 
 
+def _backend(model_type: str):
+    """(the backend module, the tiny checkpoint maker) of a Qwen-style model_type."""
+    from ray_mmbatch.models import qwen3_5
+
+    return (qwen3_5, make_qwen3_5_checkpoint) if model_type in QWEN3_5 else (qwen_vl, make_qwen_checkpoint)
+
+
 def _checkpoint(tmp_path_factory, model_type: str) -> Path:
-    make = make_qwen3_5_checkpoint if model_type in QWEN3_5 else make_qwen_checkpoint
-    path = make(tmp_path_factory.mktemp(model_type), model_type)
+    path = _backend(model_type)[1](tmp_path_factory.mktemp(model_type), model_type)
     (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR[model_type]))
     return path
 
 
 @pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"))
 def family(request, tmp_path_factory):
-    from ray_mmbatch.models import qwen3_5
-
     path = _checkpoint(tmp_path_factory, request.param)
-    backend = qwen3_5 if request.param in QWEN3_5 else qwen_vl
+    backend = _backend(request.param)[0]
     cfg = harness_configure(backend, path)
     tok = load_tokenizer(cfg.text.tokenizer)
     ids = token_ids(cfg, tok)
@@ -925,21 +929,25 @@ def test_onevision_samples_as_llava_next_without_video_settings_and_honours_the_
             assert np.array_equal(ours, ref["clip/pixels"]), what
 
 
-def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp_path):
-    """Qwen3-VL (issue 44, part 1 for every video family): --video-fps, --video-min-frames, --video-max-frames,
-    --video-max-pixels (Qwen3-VL's bound is the whole clip's pixels, as its processor has it) and
-    --video-max-tokens (its per-frame token cap, which the flag turns on: HF's cap_pixels_per_frame) win over
-    the checkpoint, and frames, grid, timestamps and pixels equal HF's Qwen3VLVideoProcessor whose settings say
-    the same. Qwen2-VL: --video-max-tokens turns its per-frame share on too (was accepted and ignored)."""
-    ckpt = make_qwen_checkpoint(tmp_path / "q3", "qwen3_vl")
-    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen3_vl"]))
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5"])
+def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp_path, kind):
+    """Qwen3-VL (issue 44, part 1 for every video family) and Qwen3.5 (its processors): --video-fps,
+    --video-min-frames, --video-max-frames, --video-max-pixels (Qwen3-VL's bound is the whole clip's pixels, as its
+    processor has it) and --video-max-tokens (its per-frame token cap, which the flag turns on: HF's
+    cap_pixels_per_frame) win over the checkpoint, and frames, grid, timestamps and pixels equal HF's
+    Qwen3VLVideoProcessor whose settings say the same. Qwen2-VL: --video-max-tokens turns its per-frame share on
+    too (was accepted and ignored)."""
+    backend, make = _backend(kind)
+    ckpt = make(tmp_path / "q3", kind)
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR[kind]))
     cfg = Config()
     cfg.model.path = str(ckpt)
     flags = {"video_fps": 2.0, "video_min_frames": 3, "video_max_frames": 6, "video_max_pixels": 40 * 32 * 32,
              "video_max_tokens": 6}
     for k, v in flags.items():
         setattr(cfg.image, k, v)
-    im = qwen_vl.configure(cfg).image
+    im = backend.configure(cfg).image
+    assert im.video == "qwen3_vl"
     assert im.video_cap_pixels_per_frame and {k: getattr(im, k) for k in flags} == flags
     told = ckpt  # configured above: its video processor now says what the flags said
     (told / "video_preprocessor_config.json").write_text(json.dumps(dict(
@@ -957,11 +965,43 @@ def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp
         ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im), im)),
                                        im.video_mean, im.video_std).numpy()
         assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+    if kind != "qwen3_vl":
+        return
     q2 = make_qwen_checkpoint(tmp_path / "q2", "qwen2_vl")
     (q2 / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen2_vl"]))
     cfg = Config()
     cfg.model.path, cfg.image.video_max_tokens = str(q2), 500
     assert qwen_vl.configure(cfg).image.video_cap_pixels_per_frame
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5"])
+def test_qwen3_vl_settings_left_out_are_hf_qwen3vl_video_processor_defaults(clips, tmp_path, kind):
+    """A Qwen3-VL / Qwen3.5 video processor file that names only its class: every setting is
+    Qwen3VLVideoProcessor's class default (2 fps, 4..768 frames, 128..768 x 32 x 32 pixels over the clip, mean /
+    std 0.5), and frames, grid, timestamps and pixels equal HF's processor loaded from that file."""
+    backend, make = _backend(kind)
+    ckpt = make(tmp_path / kind, kind)
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": "Qwen3VLVideoProcessor"}))
+    cfg = Config()
+    cfg.model.path = str(ckpt)
+    im = backend.configure(cfg).image
+    assert (im.video, im.video_sample_frames, im.video_fps, im.video_min_frames, im.video_max_frames) == \
+        ("qwen3_vl", True, 2.0, 4, 768)
+    assert (im.video_min_pixels, im.video_max_pixels, im.video_cap_pixels_per_frame, im.video_max_tokens) == \
+        (128 * 32 * 32, 768 * 32 * 32, False, 768)
+    assert im.video_mean == im.video_std == (0.5, 0.5, 0.5)
+    names = ("h264_bframes", "mpeg4_25fps", "rotated")
+    (tmp_path / "ref").mkdir()
+    ref = _run_reference(ckpt, {k: clips.paths[k] for k in names}, tmp_path / "ref")
+    for name in names:
+        plan = plan_video(clips.data[name], im)
+        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist(), name
+        assert "".join(plan.timestamp_texts()) in str(ref[f"{name}/text"]).replace("<|vision_start|>", "").replace(
+            "<|video_pad|>", "").replace("<|vision_end|>", ""), name
+        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im), im)),
+                                       im.video_mean, im.video_std).numpy()
+        assert np.array_equal(ours, ref[f"{name}/pixels"]), name
 
 
 def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:
