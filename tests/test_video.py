@@ -650,6 +650,38 @@ def test_qwen3_5_batch_of_clips_and_images_equals_each_sample_alone_through_hf(f
         assert float((leaked - want).abs().max()) > 100 * family.tol.ce
 
 
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"], indirect=True)
+def test_qwen3_trains_the_assistant_turns_of_a_conversation_with_a_clip(family, clips, tmp_path):
+    """A clip in the first user turn (tests/test_targets.py's check, with a video): the ids are those of HF's
+    Qwen3VLProcessor rendering the checkpoint's chat template with the clip loaded and expanded (timestamps, frame
+    blocks in place of the template's <|vision_start|><|video_pad|><|vision_end|>), and the trained tokens exactly
+    what HF's ``return_assistant_tokens_mask`` marks on the template with generation blocks (Qwen3.5:
+    test_targets._qwen3_5_marked, the think block on the last turn only)."""
+    from tests import targets_reference as R
+    from tests.test_targets import _qwen3_5_marked
+
+    turns = [("system", "Answer briefly."), ("human", "<video>\nWhat happens in the clip?"),
+             ("gpt", "A square moves."), ("human", "And then?"), ("gpt", "It stops.")]
+    raw = {S.SAMPLE_ID: ["s"], S.CONVERSATIONS: [json.dumps([{"from": f, "value": v} for f, v in turns])],
+           S.IMAGES: [[clips.data["h264_bframes"]]], S.IMAGE_REFS: [["clip.mp4"]], S.READ_ERROR: [""]}
+    measured = measure_batch(raw, family.cfg.image, family.tok, family.cfg.text)
+    assert not measured[S.SKIP_REASON][0] and measured[S.N_VIDEOS][0] == 1
+    sample = materialize_sample({c: measured[c][0] for c in measured}, family.cfg.image)
+    role = {"system": "system", "human": "user", "gpt": "assistant"}
+    messages = [{"role": role[f], "content": [{"type": "text", "text": v}]} for f, v in turns]
+    messages[1]["content"] = [{"type": "video", "video": str(clips.paths["h264_bframes"])},
+                              {"type": "text", "text": "What happens in the clip?"}]
+    template = _qwen3_5_marked() if family.name == "qwen3_5" else R.with_generation_blocks(family.tok.chat_template,
+                                                                                          "qwen")
+    ref = _run_reference(family.path, {}, tmp_path, chat={"messages": messages, "template": template})
+    assert sample["input_ids"].tolist() == ref["chat/ids"].tolist()
+    video_id = family.tok.convert_tokens_to_ids("<|video_pad|>")
+    assert int((ref["chat/ids"] == video_id).sum()) == int(measured[S.VIDEO_TOKENS][0]) > 0
+    trained = R.trained_positions(sample["labels"])
+    assert trained == ref["chat/mask"].tolist()
+    assert family.tok.decode(ref["chat/ids"][trained]).count("It stops.") == 1  # the turns really are trained
+
+
 def _naive_pack_controls(family, batch: dict, want: torch.Tensor) -> None:
     with torch.no_grad():  # restored even when an assertion fails
         kwargs = family.model.forward_inputs(batch)
