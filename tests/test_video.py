@@ -961,6 +961,19 @@ def test_onevision_samples_as_llava_next_without_video_settings_and_honours_the_
             assert np.array_equal(ours, ref["clip/pixels"]), what
 
 
+def _check_qwen3_clips(clips, names, im, ref: dict) -> None:
+    """Each named clip's frames, grid, timestamps and pixels by ``im`` equal HF's Qwen3VLVideoProcessor's (``ref``)."""
+    for name in names:
+        plan = plan_video(clips.data[name], im)
+        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist(), name
+        assert "".join(plan.timestamp_texts()) in str(ref[f"{name}/text"]).replace("<|vision_start|>", "").replace(
+            "<|video_pad|>", "").replace("<|vision_end|>", ""), name
+        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im), im)),
+                                       im.video_mean, im.video_std).numpy()
+        assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+
+
 @pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5"])
 def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp_path, kind):
     """Qwen3-VL (issue 44, part 1 for every video family) and Qwen3.5 (its processors): --video-fps,
@@ -988,15 +1001,7 @@ def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp
     names = ("h264_bframes", "vfr", "trimmed_mp4", "rotated_mkv", "long_gop")
     (tmp_path / "ref").mkdir()
     ref = _run_reference(told, {k: clips.paths[k] for k in names}, tmp_path / "ref", cap_pixels_per_frame=True)
-    for name in names:
-        plan = plan_video(clips.data[name], im)
-        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
-        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist(), name
-        assert "".join(plan.timestamp_texts()) in str(ref[f"{name}/text"]).replace("<|vision_start|>", "").replace(
-            "<|video_pad|>", "").replace("<|vision_end|>", ""), name
-        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im), im)),
-                                       im.video_mean, im.video_std).numpy()
-        assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+    _check_qwen3_clips(clips, names, im, ref)
     if kind != "qwen3_vl":
         return
     q2 = make_qwen_checkpoint(tmp_path / "q2", "qwen2_vl")
@@ -1025,15 +1030,7 @@ def test_qwen3_vl_settings_left_out_are_hf_qwen3vl_video_processor_defaults(clip
     names = ("h264_bframes", "mpeg4_25fps", "rotated")
     (tmp_path / "ref").mkdir()
     ref = _run_reference(ckpt, {k: clips.paths[k] for k in names}, tmp_path / "ref")
-    for name in names:
-        plan = plan_video(clips.data[name], im)
-        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
-        assert [list(plan.grid)] == ref[f"{name}/grid"].tolist(), name
-        assert "".join(plan.timestamp_texts()) in str(ref[f"{name}/text"]).replace("<|vision_start|>", "").replace(
-            "<|video_pad|>", "").replace("<|vision_end|>", ""), name
-        ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im), im)),
-                                       im.video_mean, im.video_std).numpy()
-        assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+    _check_qwen3_clips(clips, names, im, ref)
 
 
 def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:
