@@ -1,5 +1,6 @@
 """Video (data/video.py): header cost == HF's video processor, pixels == HF's, packing exact for Qwen2-VL /
-Qwen2.5-VL, bad clips skipped with their reason, only the sampled GOPs decoded.
+Qwen2.5-VL / Qwen3-VL(-MoE) / Qwen3.5 (dense, MoE) and LLaVA-OneVision, a conversation with a clip trained as HF's
+assistant mask marks it (Qwen3-VL, Qwen3.5), bad clips skipped with their reason, only the sampled GOPs decoded.
 
 The clips are made here with PyAV (synthetic/video.py): H.264 with B-frames, MPEG-4 Part 2, VP9 in WebM,
 H.264 in Matroska, a variable-frame-rate clip, a rotated (portrait phone) clip, a thin one, a 1-frame one,
