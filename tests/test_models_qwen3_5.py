@@ -2,7 +2,8 @@
 packed and padded batches exact through the Gated DeltaNet layers, and HF's own packed forward shown to leak.
 
 The reference is HF's own path, one sample at a time: the checkpoint's chat template rendered and expanded by
-HF's Qwen3VLProcessor (the processor class the Qwen3.5 repos name; its video half left out, no torchvision here),
+HF's Qwen3VLProcessor (the processor class the Qwen3.5 repos name; its video half left out, no torchvision here:
+video is tests/test_video.py's, against HF's processor in the reference interpreter),
 ``pixel_values`` from the checkpoint's PIL image processor, fed to ``Qwen3_5(Moe)ForConditionalGeneration
 (input_ids, pixel_values, image_grid_thw, mm_token_type_ids, attention_mask=ones)`` -> logits -> shifted CE.
 Our side is the pipeline's: raw rows -> measure_batch -> materialize_sample -> collate_pack / collate_pad ->
@@ -235,6 +236,8 @@ def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
     assert (im.min_pixels, im.max_pixels) == (4 * 32 * 32, 64 * 32 * 32)
     assert im.image_mean == pytest.approx((0.5,) * 3) and im.image_std == pytest.approx((0.5,) * 3)
     assert (cfg.text.tokenizer, cfg.text.image_token, cfg.text.chat_template) == (str(ckpt), "<|image_pad|>", "auto")
+    # video as Qwen3-VL's (tests/test_video.py: the settings, frames, pixels, tokens and packing against HF's)
+    assert (im.video, cfg.text.video_token) == ("qwen3_vl", "<|video_pad|>")
     again = qwen3_5.configure(cfg)
     assert again.image == cfg.image and again.text == cfg.text
     fewer = _configure(ckpt, **{"image.max_pixels": 16 * 32 * 32})  # the resolution bound is the user's choice

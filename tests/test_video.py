@@ -1,5 +1,6 @@
 """Video (data/video.py): header cost == HF's video processor, pixels == HF's, packing exact for Qwen2-VL /
-Qwen2.5-VL, bad clips skipped with their reason, only the sampled GOPs decoded.
+Qwen2.5-VL / Qwen3-VL(-MoE) / Qwen3.5 (dense, MoE) and LLaVA-OneVision, a conversation with a clip trained as HF's
+assistant mask marks it (Qwen3-VL, Qwen3.5), bad clips skipped with their reason, only the sampled GOPs decoded.
 
 The clips are made here with PyAV (synthetic/video.py): H.264 with B-frames, MPEG-4 Part 2, VP9 in WebM,
 H.264 in Matroska, a variable-frame-rate clip, a rotated (portrait phone) clip, a thin one, a 1-frame one,
@@ -48,7 +49,7 @@ from ray_mmbatch.models.inputs import batch_to_torch
 from ray_mmbatch.synthetic.video import clip_frames, encode_clip
 from tests.family_harness import TOLERANCE, image, png, token_ids
 from tests.family_harness import configure as harness_configure
-from tests.hf_checkpoints import make_qwen_checkpoint
+from tests.hf_checkpoints import make_qwen3_5_checkpoint, make_qwen_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
@@ -62,7 +63,10 @@ VIDEO_PROCESSOR = {"qwen2_vl": _QWEN2_VIDEO, "qwen2_5_vl": _QWEN2_VIDEO,
                    "qwen3_vl": dict(_QWEN2_VIDEO, video_processor_type="Qwen3VLVideoProcessor", patch_size=16,
                                     size={"shortest_edge": 8 * 32 * 32, "longest_edge": 96 * 32 * 32},
                                     image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])}
-VIDEO_PROCESSOR["qwen3_vl_moe"] = VIDEO_PROCESSOR["qwen3_vl"]  # Qwen3-VL-MoE ships Qwen3-VL's processors
+# Qwen3-VL-MoE and Qwen3.5 (dense, MoE) ship Qwen3-VL's processors
+VIDEO_PROCESSOR.update(dict.fromkeys(("qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"), VIDEO_PROCESSOR["qwen3_vl"]))
+AS_QWEN3_VL = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")  # timestamps in the text, whole-clip bounds
+QWEN3_5 = ("qwen3_5", "qwen3_5_moe")
 
 
 def _clips() -> dict[str, bytes]:
@@ -141,8 +145,15 @@ def clips(tmp_path_factory) -> SimpleNamespace:
     return SimpleNamespace(data=data, paths=paths, dir=d)
 
 
+def _backend(model_type: str):
+    """(the backend module, the tiny checkpoint maker) of a Qwen-style model_type."""
+    from ray_mmbatch.models import qwen3_5
+
+    return (qwen3_5, make_qwen3_5_checkpoint) if model_type in QWEN3_5 else (qwen_vl, make_qwen_checkpoint)
+
+
 def _checkpoint(tmp_path_factory, model_type: str) -> Path:
-    path = make_qwen_checkpoint(tmp_path_factory.mktemp(model_type), model_type)
+    path = _backend(model_type)[1](tmp_path_factory.mktemp(model_type), model_type)
     (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR[model_type]))
     return path
 
@@ -150,13 +161,14 @@ def _checkpoint(tmp_path_factory, model_type: str) -> Path:
 @pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"))
 def family(request, tmp_path_factory):
     path = _checkpoint(tmp_path_factory, request.param)
-    cfg = harness_configure(qwen_vl, path)
+    backend = _backend(request.param)[0]
+    cfg = harness_configure(backend, path)
     tok = load_tokenizer(cfg.text.tokenizer)
     ids = token_ids(cfg, tok)
     torch.manual_seed(0)
-    model = qwen_vl.create_model(cfg, ids).eval()
+    model = backend.create_model(cfg, ids).eval()
     return SimpleNamespace(name=request.param, path=path, cfg=cfg, tok=tok, ids=ids, model=model,
-                           tol=TOLERANCE[request.param])
+                           tol=TOLERANCE[request.param], qwen3=request.param in AS_QWEN3_VL)
 
 
 def _reference_python() -> str | None:
@@ -300,7 +312,7 @@ def test_sampler_edge_cases_equal_hf_or_are_refused_as_hf_refuses_them(clips, tm
 def test_configure_reads_the_video_processor(family):
     im, want = family.cfg.image, VIDEO_PROCESSOR[family.name]
     assert (im.video, im.video_sample_frames, im.video_fps, im.video_min_frames, im.video_max_frames) == \
-        ("qwen3_vl" if family.name == "qwen3_vl" else "qwen2_vl", True, 4.0, 2, 12)
+        ("qwen3_vl" if family.qwen3 else "qwen2_vl", True, 4.0, 2, 12)
     assert (im.video_min_pixels, im.video_max_pixels) == (want["size"]["shortest_edge"], want["size"]["longest_edge"])
     assert im.video_mean == tuple(want["image_mean"])
     assert family.cfg.text.video_token == "<|video_pad|>"
@@ -340,7 +352,7 @@ def test_header_cost_equals_the_hf_video_processor(clips, family, reference):
     # the 1-frame clip: Qwen2-VL's sampler divides by zero (both then take the clip whole); Qwen3-VL's resize
     # refuses fewer frames than temporal_patch_size (we pad it to one temporal patch): docs/data.md
     assert list(failed) == ["one_frame"], failed
-    assert failed["one_frame"].startswith("processor" if family.name == "qwen3_vl" else "sampler")
+    assert failed["one_frame"].startswith("processor" if family.qwen3 else "sampler")
     for name, data in clips.data.items():
         plan = plan_video(data, cfg)
         assert plan.indices.tolist() == reference[f"{name}/indices"].tolist(), name
@@ -348,9 +360,9 @@ def test_header_cost_equals_the_hf_video_processor(clips, family, reference):
             continue
         assert [list(plan.grid)] == reference[f"{name}/grid"].tolist(), name
         assert plan.tokens == int(np.prod(plan.grid)) // 4
-        if family.name != "qwen3_vl":  # HF's Qwen2_5_VLProcessor's second_per_grid_ts (Qwen3-VL has timestamps)
+        if not family.qwen3:  # HF's Qwen2_5_VLProcessor's second_per_grid_ts (Qwen3-VL has timestamps)
             assert plan.second_per_grid_t == pytest.approx(float(reference[f"{name}/second_per_grid"][0]), rel=1e-9)
-        if family.name == "qwen3_vl":  # the timestamped text the processor writes for the clip
+        if family.qwen3:  # the timestamped text the processor writes for the clip
             seqlen = plan.grid[1] * plan.grid[2] // 4
             ours_text = "".join(f"{t}<|vision_start|>{'<|video_pad|>' * seqlen}<|vision_end|>"
                                 for t in plan.timestamp_texts())
@@ -605,6 +617,70 @@ def test_qwen3_vl_moe_takes_video_as_qwen3_vl_does(family, clips):
     """Qwen3-VL-MoE: Qwen3-VL's video settings and timestamps, and a packed batch of clips and images exact."""
     assert family.cfg.image.video == "qwen3_vl" and family.cfg.text.video_token == "<|video_pad|>"
     test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, "pack")
+
+
+@pytest.mark.parametrize("family", QWEN3_5, indirect=True)
+def test_qwen3_5_takes_video_as_qwen3_vl_does(family, clips, reference):
+    """Qwen3.5 (dense, MoE; its repos ship Qwen3-VL's processors): configure takes the checkpoint's
+    Qwen3VLVideoProcessor settings and the video token; every clip's frames, grid, tokens, timestamped text and
+    pixels equal HF's Qwen3VLVideoProcessor / Qwen3VLProcessor; the budget counts its frames and video tokens."""
+    assert family.cfg.image.video == "qwen3_vl" and family.cfg.text.video_token == "<|video_pad|>"
+    test_configure_reads_the_video_processor(family)
+    test_header_cost_equals_the_hf_video_processor(clips, family, reference)
+    test_the_budget_counts_frames_and_video_tokens(family, clips)
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+@pytest.mark.parametrize("family", QWEN3_5, indirect=True)
+def test_qwen3_5_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode):
+    """Clips, images and text packed (each Gated DeltaNet layer told the row's samples) or padded: each sample's CE
+    equals it alone through HF's Qwen3.5 forward; controls (pack): the naive positions, and HF's own packed
+    forward (no DeltaNet segments: a clip's recurrent state and conv window leak into the next sample)."""
+    from ray_mmbatch.models import deltanet
+
+    test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode)
+    if mode == "pack":
+        samples, _ = _samples(family, clips)
+        batch = batch_to_torch(collate_pack(samples, family.ids["pad_id"]), "cpu")
+        with torch.no_grad():
+            want = torch.cat([_alone_ce(family, s) for s in samples])
+            kwargs = family.model.forward_inputs(batch)
+            assert kwargs.pop(deltanet.SEGMENTS) == tuple(batch["cu_seqlens"].tolist())
+            hidden = family.model.hf_model.model(**kwargs).last_hidden_state
+            leaked = family.model._target_ce(hidden, batch["labels"], "none")
+        assert float((leaked - want).abs().max()) > 100 * family.tol.ce
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"], indirect=True)
+def test_qwen3_trains_the_assistant_turns_of_a_conversation_with_a_clip(family, clips, tmp_path):
+    """A clip in the first user turn (tests/test_targets.py's check, with a video): the ids are those of HF's
+    Qwen3VLProcessor rendering the checkpoint's chat template with the clip loaded and expanded (timestamps, frame
+    blocks in place of the template's <|vision_start|><|video_pad|><|vision_end|>), and the trained tokens exactly
+    what HF's ``return_assistant_tokens_mask`` marks on the template with generation blocks (Qwen3.5:
+    test_targets._qwen3_5_marked, the think block on the last turn only)."""
+    from tests import targets_reference as R
+    from tests.test_targets import _qwen3_5_marked
+
+    turns = [("system", "Answer briefly."), ("human", "<video>\nWhat happens in the clip?"),
+             ("gpt", "A square moves."), ("human", "And then?"), ("gpt", "It stops.")]
+    raw = {S.SAMPLE_ID: ["s"], S.CONVERSATIONS: [json.dumps([{"from": f, "value": v} for f, v in turns])],
+           S.IMAGES: [[clips.data["h264_bframes"]]], S.IMAGE_REFS: [["clip.mp4"]], S.READ_ERROR: [""]}
+    measured = measure_batch(raw, family.cfg.image, family.tok, family.cfg.text)
+    assert not measured[S.SKIP_REASON][0] and measured[S.N_VIDEOS][0] == 1
+    sample = materialize_sample({c: measured[c][0] for c in measured}, family.cfg.image)
+    role = {"system": "system", "human": "user", "gpt": "assistant"}
+    messages = [{"role": role[f], "content": [{"type": "text", "text": v}]} for f, v in turns]
+    messages[1]["content"] = [{"type": "video", "video": str(clips.paths["h264_bframes"])},
+                              {"type": "text", "text": "What happens in the clip?"}]
+    template = _qwen3_5_marked() if family.name == "qwen3_5" else R.with_generation_blocks(family.tok.chat_template,
+                                                                                          "qwen")
+    ref = _run_reference(family.path, {}, tmp_path, chat={"messages": messages, "template": template})
+    assert sample["input_ids"].tolist() == ref["chat/ids"].tolist()
+    video_id = family.tok.convert_tokens_to_ids("<|video_pad|>")
+    assert int((ref["chat/ids"] == video_id).sum()) == int(measured[S.VIDEO_TOKENS][0]) > 0
+    trained = R.trained_positions(sample["labels"])
+    assert trained == ref["chat/mask"].tolist()
+    assert family.tok.decode(ref["chat/ids"][trained]).count("It stops.") == 1  # the turns really are trained
 
 
 def _naive_pack_controls(family, batch: dict, want: torch.Tensor) -> None:
@@ -886,29 +962,8 @@ def test_onevision_samples_as_llava_next_without_video_settings_and_honours_the_
             assert np.array_equal(ours, ref["clip/pixels"]), what
 
 
-def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp_path):
-    """Qwen3-VL (issue 44, part 1 for every video family): --video-fps, --video-min-frames, --video-max-frames,
-    --video-max-pixels (Qwen3-VL's bound is the whole clip's pixels, as its processor has it) and
-    --video-max-tokens (its per-frame token cap, which the flag turns on: HF's cap_pixels_per_frame) win over
-    the checkpoint, and frames, grid, timestamps and pixels equal HF's Qwen3VLVideoProcessor whose settings say
-    the same. Qwen2-VL: --video-max-tokens turns its per-frame share on too (was accepted and ignored)."""
-    ckpt = make_qwen_checkpoint(tmp_path / "q3", "qwen3_vl")
-    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen3_vl"]))
-    cfg = Config()
-    cfg.model.path = str(ckpt)
-    flags = {"video_fps": 2.0, "video_min_frames": 3, "video_max_frames": 6, "video_max_pixels": 40 * 32 * 32,
-             "video_max_tokens": 6}
-    for k, v in flags.items():
-        setattr(cfg.image, k, v)
-    im = qwen_vl.configure(cfg).image
-    assert im.video_cap_pixels_per_frame and {k: getattr(im, k) for k in flags} == flags
-    told = ckpt  # configured above: its video processor now says what the flags said
-    (told / "video_preprocessor_config.json").write_text(json.dumps(dict(
-        VIDEO_PROCESSOR["qwen3_vl"], fps=2.0, min_frames=3, max_frames=6, max_video_tokens=6,
-        size={"shortest_edge": 8 * 32 * 32, "longest_edge": 40 * 32 * 32})))
-    names = ("h264_bframes", "vfr", "trimmed_mp4", "rotated_mkv", "long_gop")
-    (tmp_path / "ref").mkdir()
-    ref = _run_reference(told, {k: clips.paths[k] for k in names}, tmp_path / "ref", cap_pixels_per_frame=True)
+def _check_qwen3_clips(clips, names, im, ref: dict) -> None:
+    """Each named clip's frames, grid, timestamps and pixels by ``im`` equal HF's Qwen3VLVideoProcessor's (``ref``)."""
     for name in names:
         plan = plan_video(clips.data[name], im)
         assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
@@ -918,11 +973,65 @@ def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp
         ours = normalize_video_patches(torch.from_numpy(patchify_video(decode_video(clips.data[name], plan, im), im)),
                                        im.video_mean, im.video_std).numpy()
         assert np.array_equal(ours, ref[f"{name}/pixels"]), name
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5"])
+def test_qwen3_vl_honours_the_video_flags_exactly_as_hf_told_the_same(clips, tmp_path, kind):
+    """Qwen3-VL (issue 44, part 1 for every video family) and Qwen3.5 (its processors): --video-fps,
+    --video-min-frames, --video-max-frames, --video-max-pixels (Qwen3-VL's bound is the whole clip's pixels, as its
+    processor has it) and --video-max-tokens (its per-frame token cap, which the flag turns on: HF's
+    cap_pixels_per_frame) win over the checkpoint, and frames, grid, timestamps and pixels equal HF's
+    Qwen3VLVideoProcessor whose settings say the same. Qwen2-VL: --video-max-tokens turns its per-frame share on
+    too (was accepted and ignored)."""
+    backend, make = _backend(kind)
+    ckpt = make(tmp_path / "q3", kind)
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR[kind]))
+    cfg = Config()
+    cfg.model.path = str(ckpt)
+    flags = {"video_fps": 2.0, "video_min_frames": 3, "video_max_frames": 6, "video_max_pixels": 40 * 32 * 32,
+             "video_max_tokens": 6}
+    for k, v in flags.items():
+        setattr(cfg.image, k, v)
+    im = backend.configure(cfg).image
+    assert im.video == "qwen3_vl"
+    assert im.video_cap_pixels_per_frame and {k: getattr(im, k) for k in flags} == flags
+    told = ckpt  # configured above: its video processor now says what the flags said
+    (told / "video_preprocessor_config.json").write_text(json.dumps(dict(
+        VIDEO_PROCESSOR["qwen3_vl"], fps=2.0, min_frames=3, max_frames=6, max_video_tokens=6,
+        size={"shortest_edge": 8 * 32 * 32, "longest_edge": 40 * 32 * 32})))
+    names = ("h264_bframes", "vfr", "trimmed_mp4", "rotated_mkv", "long_gop")
+    (tmp_path / "ref").mkdir()
+    ref = _run_reference(told, {k: clips.paths[k] for k in names}, tmp_path / "ref", cap_pixels_per_frame=True)
+    _check_qwen3_clips(clips, names, im, ref)
+    if kind != "qwen3_vl":
+        return
     q2 = make_qwen_checkpoint(tmp_path / "q2", "qwen2_vl")
     (q2 / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR["qwen2_vl"]))
     cfg = Config()
     cfg.model.path, cfg.image.video_max_tokens = str(q2), 500
     assert qwen_vl.configure(cfg).image.video_cap_pixels_per_frame
+
+
+@pytest.mark.parametrize("kind", ["qwen3_vl", "qwen3_5"])
+def test_qwen3_vl_settings_left_out_are_hf_qwen3vl_video_processor_defaults(clips, tmp_path, kind):
+    """A Qwen3-VL / Qwen3.5 video processor file that names only its class: every setting is
+    Qwen3VLVideoProcessor's class default (2 fps, 4..768 frames, 128..768 x 32 x 32 pixels over the clip, mean /
+    std 0.5), and frames, grid, timestamps and pixels equal HF's processor loaded from that file."""
+    backend, make = _backend(kind)
+    ckpt = make(tmp_path / kind, kind)
+    (ckpt / "video_preprocessor_config.json").write_text(json.dumps({"video_processor_type": "Qwen3VLVideoProcessor"}))
+    cfg = Config()
+    cfg.model.path = str(ckpt)
+    im = backend.configure(cfg).image
+    assert (im.video, im.video_sample_frames, im.video_fps, im.video_min_frames, im.video_max_frames) == \
+        ("qwen3_vl", True, 2.0, 4, 768)
+    assert (im.video_min_pixels, im.video_max_pixels, im.video_cap_pixels_per_frame, im.video_max_tokens) == \
+        (128 * 32 * 32, 768 * 32 * 32, False, 768)
+    assert im.video_mean == im.video_std == (0.5, 0.5, 0.5)
+    names = ("h264_bframes", "mpeg4_25fps", "rotated")
+    (tmp_path / "ref").mkdir()
+    ref = _run_reference(ckpt, {k: clips.paths[k] for k in names}, tmp_path / "ref")
+    _check_qwen3_clips(clips, names, im, ref)
 
 
 def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:

@@ -25,6 +25,10 @@ raise (``hf_failed`` = "processor: ...", no pixels). Qwen3-VL clips also get ``<
 processor's timestamped video text (Qwen3VLProcessor.replace_video_token).
 Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``,
 ``<name>/total`` and ``<name>/fps`` (the loader's VideoMetadata).
+
+SPEC may add "chat": {"messages": [...], "template": str}: the checkpoint's whole processor
+(``AutoProcessor.from_pretrained``) renders the messages (a video part ``{"type": "video", "video": path}``) with
+that template and HF's ``return_assistant_tokens_mask``: ``chat/ids`` and ``chat/mask`` (the marked positions).
 """
 from __future__ import annotations
 
@@ -137,6 +141,14 @@ def main(spec_path: str, out_path: str) -> None:
             out[f"{name}/second_per_grid"] = _second_per_grid(processor, video, meta, **cap)
         if qwen3:
             out[f"{name}/text"] = np.array(_qwen3_text(processor, got["video_grid_thw"], indices, float(meta.fps)))
+    if "chat" in spec:
+        from transformers import AutoProcessor
+
+        chat = AutoProcessor.from_pretrained(spec["checkpoint"]).apply_chat_template(
+            spec["chat"]["messages"], chat_template=spec["chat"]["template"], tokenize=True, return_dict=True,
+            return_assistant_tokens_mask=True, video_load_backend=loader)
+        out["chat/ids"] = np.asarray(chat["input_ids"][0], dtype=np.int64)
+        out["chat/mask"] = np.flatnonzero(np.asarray(chat["assistant_masks"][0]))
     np.savez(out_path, **out)
 
 

@@ -112,9 +112,12 @@ def _video_placeholders(conv: Any, plans: list) -> Any:
 
 
 def _video_pads(ids: np.ndarray, target: np.ndarray, plans: list, image_id: int, video_id: int,
-                frame_block=None) -> tuple[np.ndarray, np.ndarray]:
+                frame_block=None, wrapper: tuple[int, int] = (-1, -1)) -> tuple[np.ndarray, np.ndarray]:
     """(ids, target) with the image token of each video media item replaced by the video token, or, for
-    Qwen3-VL (``frame_block(plan)``: the ids of its timestamped per-frame blocks), by that block."""
+    Qwen3-VL (``frame_block(plan)``: the ids of its timestamped per-frame blocks), by that block, which also
+    takes the place of the ``wrapper`` (<|vision_start|>, <|vision_end|> ids) around the token where the template
+    wrote one: HF's Qwen3VLProcessor collapses the template's <|vision_start|><|video_pad|><|vision_end|> into the
+    frame blocks (each of which has its own pair)."""
     at = np.flatnonzero(ids == image_id)
     kinds = np.asarray([p is not None for p in plans], dtype=bool)
     if len(at) != len(kinds) or not kinds.any():
@@ -128,18 +131,19 @@ def _video_pads(ids: np.ndarray, target: np.ndarray, plans: list, image_id: int,
         if plan is None:
             continue
         block = frame_block(plan)
-        parts_ids += [ids[last:pos], block]
-        parts_target += [target[last:pos], np.zeros(len(block), dtype=target.dtype)]
-        last = pos + 1
+        wrapped = 0 < pos < len(ids) - 1 and (ids[pos - 1], ids[pos + 1]) == wrapper
+        parts_ids += [ids[last:pos - wrapped], block]
+        parts_target += [target[last:pos - wrapped], np.zeros(len(block), dtype=target.dtype)]
+        last = pos + 1 + wrapped
     return (np.concatenate(parts_ids + [ids[last:]]).astype(ids.dtype),
             np.concatenate(parts_target + [target[last:]]).astype(target.dtype))
 
 
 def qwen3_frame_blocks(tok, video_id: int):
     """plan -> Qwen3-VL's video text: per temporal patch ``<t seconds>`` + <|vision_start|> + ONE video token +
-    <|vision_end|> (materialize expands each video token to the frame's tokens), as its processor writes it
-    between the template's own <|vision_start|> .. <|vision_end|>. Each timestamp sits between special tokens,
-    so it encodes alone as in the processor's text."""
+    <|vision_end|> (materialize expands each video token to the frame's tokens), as its processor writes it in
+    place of the template's <|vision_start|><|video_pad|><|vision_end|> (_video_pads). Each timestamp sits
+    between special tokens, so it encodes alone as in the processor's text."""
     start, end = tok.convert_tokens_to_ids(S.VISION_START), tok.convert_tokens_to_ids(S.VISION_END)
     cache: dict[str, list[int]] = {}
 
@@ -188,9 +192,10 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
     image_id = image_token_id(tok, text_cfg)
     video_id = video_token_id(tok, text_cfg)
     frame_block = qwen3_frame_blocks(tok, video_id) if image_cfg.video == "qwen3_vl" else None
+    wrapper = (tok.convert_tokens_to_ids(S.VISION_START), tok.convert_tokens_to_ids(S.VISION_END))
     for i in rows:
         if not reasons[i] and any(p is not None for p in plans[i]):
-            ids[i], target[i] = _video_pads(ids[i], target[i], plans[i], image_id, video_id, frame_block)
+            ids[i], target[i] = _video_pads(ids[i], target[i], plans[i], image_id, video_id, frame_block, wrapper)
     if image_cfg.resize == "split":  # Idefics3 / SmolVLM image splitting: each image's grid-dependent text block
         from ray_mmbatch.data.split_block import splice_split_blocks
 

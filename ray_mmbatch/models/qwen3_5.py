@@ -13,6 +13,13 @@ each sample alone through HF's forward) when:
   (models/deltanet.py): the adapter adds the row's cu_seqlens as ``deltanet.SEGMENTS``. HF's own packed forward
   does not do this without the fla and causal-conv1d kernels (its torch fallbacks ignore the boundaries).
 
+Video is Qwen3-VL's: the Qwen/Qwen3.5-* repos ship Qwen3-VL's processors (Qwen3VLVideoProcessor,
+Qwen3VLProcessor) and HF's Qwen3.5 model takes ``pixel_values_videos`` / ``video_grid_thw`` with Qwen3-VL's layout
+(each frame its timestamp text and its own vision block; ``get_rope_index`` splits the grid per frame). configure
+takes Qwen3-VL's video settings (qwen_vl._configure_video: image.video 'qwen3_vl', the --video-* flags honoured),
+and the adapter feeds clips as Qwen-VL's does (``mm_token_type_ids`` 2 at video tokens, each packed sample's
+M-RoPE ids from its own images and videos); the DeltaNet segments cover a clip's tokens as any other.
+
 Padded batches (right padding) are HF's own path: attention_mask + mm_token_type_ids; the DeltaNet layers are
 causal, so the padding after a sample changes nothing before it.
 
@@ -22,7 +29,7 @@ packed or padded: a packed row would count the balance over all its samples' tok
 over rows with their padding masked, so neither would equal the per-sample sum, and exactness is stated on
 the CE. Train the router with the CE (or add the aux loss in your own loop, knowing it is per batch).
 
-Cost: that of Qwen-VL's adapter (one ``get_rope_index`` per packed sample with images) plus the DeltaNet
+Cost: that of Qwen-VL's adapter (one ``get_rope_index`` per packed sample with images or videos) plus the DeltaNet
 segments (models/deltanet.py; benchmarks/bench_deltanet.py). ``configure`` reads two JSON files and the
 tokenizer. Importing this module imports no torch.
 """
@@ -33,22 +40,8 @@ from ray_mmbatch.models.qwen_vl import _vision_modules, vision_modules  # noqa: 
 
 NAME = "qwen3_5"
 MODEL_TYPES: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe")
-
-# HF's Qwen3_5VisionConfig defaults, for keys a config.json leaves out
-_VISION_DEFAULTS = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2}
-
-
-def _vision_geometry(path: str, model_json: dict, processor: dict) -> dict[str, int]:
-    """patch / merge / temporal sizes from config.json's vision_config, which the image processor must agree with."""
-    vision = model_json.get("vision_config") or {}
-    geometry = {"patch_size": vision.get("patch_size"), "merge_size": vision.get("spatial_merge_size"),
-                "temporal_patch_size": vision.get("temporal_patch_size")}
-    for key, value in geometry.items():
-        value = geometry[key] = int(_VISION_DEFAULTS[key] if value is None else value)
-        if processor.get(key) is not None and int(processor[key]) != value:
-            raise ValueError(f"{path}: the image processor's {key}={processor[key]} disagrees with config.json "
-                             f"vision_config ({value}); the checkpoint is inconsistent")
-    return geometry
+# the Qwen/Qwen3.5-* repos ship Qwen3-VL's processors (Qwen3VLVideoProcessor, Qwen3VLProcessor): video as Qwen3-VL's
+VIDEO_MODEL_TYPES = MODEL_TYPES
 
 
 def configure(cfg):
@@ -56,12 +49,14 @@ def configure(cfg):
 
     As Qwen-VL's (models/qwen_vl.configure): smart resize, patch / merge / temporal sizes (config.json
     vision_config), min / max pixels (the user's value wins) and mean / std from the image processor, the
-    tokenizer (the checkpoint's unless --tokenizer), the image token (config.json image_token_id). Video is not
-    taken for this family yet (a sample with video is skipped as for an image-only family). Idempotent.
+    tokenizer (the checkpoint's unless --tokenizer), the image token (config.json image_token_id); video as
+    Qwen3-VL's (qwen_vl._configure_video: the video processor's settings, else HF's Qwen3VLVideoProcessor
+    defaults; the --video-* flags win; the video token from config.json video_token_id). Idempotent.
     """
-    from ray_mmbatch.models.qwen_vl import configure_qwen
+    from ray_mmbatch.models.qwen_vl import _vision_geometry, configure_qwen
 
-    return configure_qwen(cfg, "qwen3_5", "Qwen3.5", MODEL_TYPES, _vision_geometry)
+    # Qwen3_5VisionConfig's defaults are Qwen3-VL's (16-pixel patches, 2 x 2 merge, 2 frames): qwen_vl's check
+    return configure_qwen(cfg, "qwen3_5", "Qwen3.5", MODEL_TYPES, _vision_geometry, VIDEO_MODEL_TYPES)
 
 
 def _adapter_class():
@@ -95,14 +90,13 @@ def create_model(cfg, ids: dict):
     """The checkpoint's Qwen3_5(Moe)ForConditionalGeneration in HFModel, its DeltaNet layers segment-aware."""
     from ray_mmbatch.models import deltanet
     from ray_mmbatch.models.hf_common import wrap
-    from ray_mmbatch.models.qwen_vl import load_qwen
+    from ray_mmbatch.models.qwen_vl import load_qwen, qwen_adapter
 
     hf = load_qwen(cfg, ids)
     layers = deltanet.install(hf)
     if not layers:
         raise ValueError(f"{cfg.model.path}: no Gated DeltaNet layer found in {type(hf).__name__}")
-    adapter = _adapter_class()(hf.model, hf.config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
-                               cfg.image.temporal_patch_size)
+    adapter = qwen_adapter(cfg, hf, _adapter_class())
     adapter.layers = layers
     return wrap(hf, cfg, adapter, _vision_modules, NAME)
 

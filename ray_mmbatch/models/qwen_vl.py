@@ -42,8 +42,9 @@ from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 NAME = "qwen_vl"
 MODEL_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 # Qwen3-VL-MoE (Qwen3-VL-30B-A3B, -235B-A22B) is Qwen3-VL's vision side, processors and token layout in front of
-# a sparse MoE text model: every setting and the packed forward are Qwen3-VL's (the MoE note: module docstring)
-_SAME_AS = {"qwen3_vl_moe": "qwen3_vl"}
+# a sparse MoE text model: every setting and the packed forward are Qwen3-VL's (the MoE note: module docstring).
+# Qwen3.5 (models/qwen3_5.py) ships Qwen3-VL's processors (Qwen3VLVideoProcessor): its video settings are Qwen3-VL's.
+_SAME_AS = {"qwen3_vl_moe": "qwen3_vl", "qwen3_5": "qwen3_vl", "qwen3_5_moe": "qwen3_vl"}
 
 # HF's Qwen2VLImageProcessor defaults, for keys a preprocessor_config.json leaves out
 _PROCESSOR_DEFAULTS = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280,
@@ -138,7 +139,7 @@ def _check_qwen2_sampling(im, where: str) -> None:
 
 
 def _configure_video(cfg, path: str, model_type: str) -> None:
-    """image.video* and text.video_token from the checkpoint's video processor (Qwen2-VL / Qwen2.5-VL)."""
+    """image.video* from the checkpoint's video processor (Qwen2-VL / Qwen2.5-VL / Qwen3-VL(-MoE) / Qwen3.5)."""
     from ray_mmbatch.models.hf_common import (
         adopt_setting,
         adopt_video_settings,
@@ -147,8 +148,6 @@ def _configure_video(cfg, path: str, model_type: str) -> None:
         video_processor_settings,
     )
 
-    if model_type not in VIDEO_MODEL_TYPES:
-        return
     base = _SAME_AS.get(model_type, model_type)
     video, where = video_processor_settings(path)
     where = f"{path} {where}"
@@ -374,16 +373,21 @@ def load_qwen(cfg, ids: dict):
     return hf
 
 
+def qwen_adapter(cfg, hf, cls=QwenAdapter):
+    """``cls`` (QwenAdapter or a subclass, models/qwen3_5.py's) over the loaded model, with its image and video
+    token ids and the configured image / video mean and std."""
+    config = hf.config
+    return cls(hf.model, config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
+               cfg.image.temporal_patch_size, getattr(config, "video_token_id", -1),
+               cfg.image.video_mean, cfg.image.video_std, seconds=config.model_type == "qwen2_5_vl")
+
+
 def create_model(cfg, ids: dict):
     """The checkpoint's *ForConditionalGeneration wrapped in HFModel with the Qwen adapter."""
     from ray_mmbatch.models.hf_common import wrap
 
     hf = load_qwen(cfg, ids)
-    config = hf.config
-    adapter = QwenAdapter(hf.model, config.image_token_id, cfg.image.image_mean, cfg.image.image_std,
-                          cfg.image.temporal_patch_size, getattr(config, "video_token_id", -1),
-                          cfg.image.video_mean, cfg.image.video_std, seconds=config.model_type == "qwen2_5_vl")
-    return wrap(hf, cfg, adapter, _vision_modules, NAME)
+    return wrap(hf, cfg, qwen_adapter(cfg, hf), _vision_modules, NAME)
 
 
 export = hf_export  # save_pretrained of model + tokenizer, the processor files copied
