@@ -10,7 +10,7 @@ from ray_mmbatch.config import Config, load_config
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parquet_dataset, tmp_path, monkeypatch):
-    from ray_mmbatch.run.tune import format_table, tune_budgets
+    from ray_mmbatch.run.tune import format_table, judge, pick_best, tune_budgets
     from tests.test_trackers import (
         mlflow_runs,
         need_trackers,
@@ -88,9 +88,11 @@ def test_tune_picks_fastest_feasible_and_writes_config(ray_cluster, small_parque
     assert best.budget.max_tokens == fastest["setting"]["budget.max_tokens"]
     assert best.data.path == str(small_parquet_dataset)
 
-    # a memory limit below every trial's peak makes every setting infeasible
-    low = tune_budgets(base, settings[:1], str(tmp_path / "tune_low"), memory_limit_mb=1.0, warmup_steps=1, steps=1)
-    assert low["best"] is None and low["trials"][0]["status"] == "over_memory"
+    # the same trials judged against a memory limit below their peaks: none is feasible, and no best is picked
+    # (a sweep of its own cost a whole trial: judge is what the trial calls on its result)
+    low = [judge(dict(t, status="ok" if t["feasible"] else t["status"]), memory_limit_mb=1.0) for t in trials]
+    assert sorted(t["status"] for t in low) == ["failed", "over_memory", "over_memory"]
+    assert pick_best(low) is None and all(t["score"] == -1.0 for t in low)
 
 
 def test_pick_best_by_metric():

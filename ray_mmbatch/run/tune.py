@@ -82,11 +82,17 @@ def run_trial(params: dict[str, Any], listing: tuple | None = None) -> None:
     figures = _trial_metrics(out, params["warmup_steps"]) if (out / RunDir.METRICS).exists() else {}
     result.update({"tokens_per_s": 0.0, "fill": 0.0, "peak_mem_mb": 0.0, "final_loss": float("nan"),
                    "eval_loss": float("nan"), **figures})
-    if result["status"] == "ok" and result["peak_mem_mb"] > params["memory_limit_mb"]:
+    tune.report(judge(result, params["memory_limit_mb"]))
+
+
+def judge(result: dict[str, Any], memory_limit_mb: float) -> dict[str, Any]:
+    """A finished trial's result, judged: a run that went fine but peaked above ``memory_limit_mb`` is
+    ``over_memory``; only an ``ok`` one is feasible, and its score is its tokens/s (else -1)."""
+    if result["status"] == "ok" and result["peak_mem_mb"] > memory_limit_mb:
         result["status"] = "over_memory"
     result["feasible"] = result["status"] == "ok"
     result["score"] = result["tokens_per_s"] if result["feasible"] else -1.0
-    tune.report(result)
+    return result
 
 
 class _TrialLines(tune.Callback):
