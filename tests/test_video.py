@@ -1095,3 +1095,135 @@ def test_a_configured_run_crosses_to_the_workers_with_its_video_settings(family)
     assert all(isinstance(v, float) for v in back.image.video_mean + back.image.video_std)
     back.image.grid_pinpoints = (42, 84)
     assert apply_overrides(Config(), flatten(back.to_dict())).image.grid_pinpoints == (42, 84)
+
+
+# ------------------------------------------------------------------ Gemma 4: frames as images in mm:ss blocks
+@pytest.fixture(scope="module")
+def gemma4_video(tmp_path_factory):
+    """The tiny Gemma 4 checkpoint (tests/hf_gemma4_checkpoint.py) with its video processor as published checkpoints
+    nest it in processor_config.json (the tower's 4 px patches, 70 soft tokens a frame, num_frames 4)."""
+    from ray_mmbatch.models import gemma4
+    from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
+
+    path = make_gemma4_checkpoint(tmp_path_factory.mktemp("gemma4"))
+    cfg = harness_configure(gemma4, path)
+    tok = load_tokenizer(cfg.text.tokenizer)
+    ids = token_ids(cfg, tok)
+    torch.manual_seed(0)
+    model = gemma4.create_model(cfg, ids).eval()
+    return SimpleNamespace(name="gemma4", path=path, cfg=cfg, tok=tok, ids=ids, model=model, tol=TOLERANCE["gemma4"])
+
+
+def _gemma4_video_text(fam, data: bytes) -> list[int]:
+    """The ids measure writes for one clip (data/measure.gemma4_frame_blocks), each frame's video token expanded to
+    its soft tokens as materialize expands it."""
+    from ray_mmbatch.data.measure import gemma4_frame_blocks
+
+    plan = plan_video(data, fam.cfg.image)
+    video_id = fam.tok.convert_tokens_to_ids("<|video|>")
+    block = gemma4_frame_blocks(fam.tok, video_id, fam.cfg.text.image_block)(plan)
+    return np.repeat(block, np.where(block == video_id, plan.tokens // plan.frames, 1)).tolist()
+
+
+def test_gemma4_header_cost_text_and_pixels_equal_its_video_processor(clips, gemma4_video, tmp_path):
+    """For every clip: the frames HF's Gemma4VideoProcessor samples (num_frames 4 of the checkpoint, spread as
+    BaseVideoProcessor spreads them), each frame's soft tokens from the header (its image budget resize), the
+    processor's text (Gemma4Processor.replace_video_token: ``mm:ss`` + a block of soft tokens per frame) tokenized,
+    and pixel_values_videos / video_position_ids ([frames, 630, 48], bit for bit) equal HF's; the 1-frame clip HF
+    refuses (fewer frames than num_frames) is skipped."""
+    from ray_mmbatch.data.video import video_patches
+
+    fam, cfg = gemma4_video, gemma4_video.cfg.image
+    assert (cfg.video, cfg.video_sample_frames, cfg.video_num_frames, cfg.video_fps, fam.cfg.text.video_token) == \
+        ("gemma4", True, 4, None, "<|video|>")
+    ref = _run_reference(fam.path, clips.paths, tmp_path)
+    adapter = fam.model._adapter
+    for name, data in clips.data.items():
+        if name == "one_frame":
+            assert str(ref[f"{name}/hf_failed"]).startswith("refused"), ref[f"{name}/hf_failed"]
+            with pytest.raises(VideoSkip, match="fewer than the 4"):
+                plan_video(data, cfg)
+            continue
+        assert not str(ref[f"{name}/hf_failed"]), name
+        plan = plan_video(data, cfg)
+        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+        per_frame = int(ref[f"{name}/tokens"][0])
+        assert plan.grid[0] == 4 and plan.tokens == 4 * per_frame, (name, plan.grid, per_frame)
+        assert _gemma4_video_text(fam, data) == fam.tok(str(ref[f"{name}/text"]), add_special_tokens=False).input_ids
+        got = adapter.video_inputs(torch.from_numpy(video_patches(data, plan, cfg)), torch.tensor([plan.grid]))
+        assert got["pixel_values_videos"].shape == ref[f"{name}/pixels"].shape, name
+        assert np.array_equal(got["pixel_values_videos"].numpy(), ref[f"{name}/pixels"]), name
+        assert np.array_equal(got["video_position_ids"].numpy(), ref[f"{name}/positions"]), name
+        assert got["num_frames_per_video"].tolist() == [4]
+
+
+def _gemma4_alone_ce(fam, s: dict) -> torch.Tensor:
+    """The sample alone through HF's own forward: attention_mask of ones and mm_token_type_ids (1 image, 2 video soft
+    tokens, as HF's processor types them), HF building its per-layer masks; pixels as its processors give them
+    (test above and tests/test_models_gemma4.py)."""
+    ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[None]
+    kwargs = {k: v for k, v in fam.model.forward_inputs(batch_to_torch(collate_pad([s], fam.ids["pad_id"]), "cpu"))
+              .items() if k not in ("position_ids", "attention_mask")}
+    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert torch.equal(kwargs["mm_token_type_ids"], (ids == fam.ids["image_token_id"]).long()
+                       + 2 * (ids == fam.tok.convert_tokens_to_ids("<|video|>")).long())
+    return _shifted_ce(fam.model.hf_model, kwargs, s["labels"])
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_gemma4_batch_of_clips_and_images_equals_each_sample_alone_through_hf(gemma4_video, clips, mode):
+    """Clips, a clip beside an image, text, an image and a rotated clip: a packed and a padded batch equal each
+    sample alone through HF; packed, HF's own packing from restarting position ids (the naive packed feed) is off
+    by more than 0.1 nats and frames typed as text (causal frame blocks) by more than 100 x the tolerance."""
+    fam = gemma4_video
+    samples, measured = _samples(fam, clips)
+    assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1] and list(measured[S.N_FRAMES]) == [4, 4, 0, 0, 4]
+    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, fam.ids["pad_id"]), "cpu")
+    with torch.no_grad():
+        ours = fam.model.target_ce(batch)
+        want = torch.cat([_gemma4_alone_ce(fam, s) for s in samples])
+        assert ours.shape == want.shape
+        diff = float((ours - want).abs().max())
+        assert diff <= fam.tol.ce, diff
+        if mode != "pack":
+            return
+        hidden = fam.model.hf_model.model
+        kwargs = fam.model.forward_inputs(batch)
+        del kwargs["attention_mask"]  # HF finds the samples from the restarting position ids itself
+        naive = fam.model._target_ce(hidden(**kwargs).last_hidden_state, batch["labels"], "none")
+        assert float((naive - want).abs().max()) > 0.1
+        kwargs = fam.model.forward_inputs(batch)
+        as_text = kwargs["mm_token_type_ids"] * (kwargs["mm_token_type_ids"] != 2)
+        kwargs["attention_mask"] = fam.model._adapter.packed_masks(batch, as_text)
+        causal = fam.model._target_ce(hidden(**kwargs).last_hidden_state, batch["labels"], "none")
+        assert float((causal - want).abs().max()) > 100 * fam.tol.ce
+
+
+def test_gemma4_packed_masks_are_hfs_masks_of_each_sample_alone(gemma4_video, clips):
+    """The packed row's per-layer masks, cut at each sample, are exactly what HF builds for that sample alone
+    (create_masks_for_vision_model from its mm_token_type_ids: each frame's soft tokens a bidirectional block on the
+    sliding layers, causal on the full ones), and nothing crosses samples."""
+    from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
+
+    fam = gemma4_video
+    samples, _ = _samples(fam, clips)
+    batch = batch_to_torch(collate_pack(samples, fam.ids["pad_id"]), "cpu")
+    masks = fam.model.forward_inputs(batch)["attention_mask"]
+    text_config = fam.model.hf_model.config.get_text_config()
+    at = 0
+    for s in samples:
+        ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[None]
+        n = ids.shape[1]
+        types = fam.model._adapter(batch_to_torch(collate_pad([s], fam.ids["pad_id"]), "cpu"))["mm_token_type_ids"]
+        alone = create_masks_for_vision_model(config=text_config, inputs_embeds=torch.empty(1, n, 1),
+                                              attention_mask=torch.ones_like(ids), cache=None,
+                                              position_ids=torch.arange(n)[None],
+                                              block_sequence_ids=get_block_sequence_ids_for_mask(types, "cpu"))
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        alone = {k: causal if m is None else m[0, 0] for k, m in alone.items()}  # None: sdpa's own causal mask
+        for kind, mask in masks.items():
+            assert torch.equal(mask[0, 0, at:at + n, at:at + n], alone[kind]), kind
+            assert not mask[0, 0, at:at + n, :at].any() and not mask[0, 0, at:at + n, at + n:].any()
+        if (types == 2).any():  # the frames are bidirectional blocks on the sliding layers
+            assert (alone["sliding_attention"] & ~causal).sum() > 4 * 10  # 4 frames' blocks, many tokens each
+        at += n
