@@ -1227,3 +1227,55 @@ def test_gemma4_packed_masks_are_hfs_masks_of_each_sample_alone(gemma4_video, cl
         if (types == 2).any():  # the frames are bidirectional blocks on the sliding layers
             assert (alone["sliding_attention"] & ~causal).sum() > 4 * 10  # 4 frames' blocks, many tokens each
         at += n
+
+
+def test_gemma4_configure_takes_the_video_settings_hf_would_and_refuses_what_it_cannot_reproduce(gemma4_video, clips,
+                                                                                                 tmp_path):
+    """Without video settings HF's Gemma4VideoProcessor defaults apply (16 px patches: they do not fit the tiny
+    tower, so it takes no video and a clip stops the run at measure); --video-fps samples at that rate (HF's own
+    default_sample_indices_fn with num_frames unset: HF refuses fps and num_frames together, as configure does for a
+    file that sets both); --video-max-pixels takes another of HF's frame budgets and nothing else; a shipped video
+    processor of another class or patch size is refused."""
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    from ray_mmbatch.models import gemma4
+    from tests.family_harness import variant
+
+    fam = gemma4_video
+    proc = json.loads((fam.path / "processor_config.json").read_text())
+
+    def configured(name: str, video: dict | None, **flags):
+        d = variant(fam.path, tmp_path / name, proc={"video_processor": video} if video is not None else None)
+        if video is None:
+            (d / "processor_config.json").write_text(json.dumps({k: v for k, v in proc.items()
+                                                                  if k != "video_processor"}))
+        return harness_configure(gemma4, d, **flags)
+
+    (tmp_path / "bare").mkdir()
+    bare = configured("bare", None)
+    assert (bare.image.video, bare.text.video_token) == ("", "")
+    raw = {S.SAMPLE_ID: ["v"], S.CONVERSATIONS: [json.dumps([{"from": "human", "value": "<video>\nWhat?"},
+                                                              {"from": "gpt", "value": "A clip."}])],
+           S.IMAGES: [[clips.data["vfr"]]], S.IMAGE_REFS: [["vfr.mp4"]], S.READ_ERROR: [""]}
+    with pytest.raises(VideoRefused, match="gemma4"):
+        measure_batch(raw, bare.image, fam.tok, bare.text)
+    (tmp_path / "fps").mkdir()
+    fps = configured("fps", proc["video_processor"], **{"image.video_fps": 3.0})
+    assert (fps.image.video_fps, fps.image.video_num_frames) == (3.0, None)
+    for name in ("h264_bframes", "mpeg4_25fps", "vfr"):
+        header = probe_video(clips.data[name], fps.image)
+        want = default_sample_indices_fn(VideoMetadata(total_num_frames=header.frames, fps=header.fps), fps=3.0)
+        assert plan_video(clips.data[name], fps.image).indices.tolist() == want.tolist(), name
+    (tmp_path / "budget").mkdir()
+    assert configured("budget", proc["video_processor"], **{"image.video_max_pixels": 140 * 9 * 16}
+                      ).image.video_max_pixels == 140 * 9 * 16
+    for name, video, flags, match in (
+            ("both", dict(proc["video_processor"], fps=2.0), {}, "HF's sampler refuses them together"),
+            ("other", dict(proc["video_processor"], video_processor_type="Qwen2VLVideoProcessor"), {},
+             "Gemma4VideoProcessor only"),
+            ("patch", dict(proc["video_processor"], patch_size=8), {}, "vision tower has 4 / 3"),
+            ("tokens", dict(proc["video_processor"], max_soft_tokens=100), {}, "max_soft_tokens=100"),
+            ("pixels", proc["video_processor"], {"image.video_max_pixels": 1000}, "none of Gemma 4's frame budgets")):
+        (tmp_path / name).mkdir()
+        with pytest.raises(ValueError, match=match):
+            configured(name, video, **flags)
