@@ -91,7 +91,8 @@ _OTHER = ["<|turn>", "<turn|>", "<|video|>"]
 # the published google/gemma-4-* processor_config.json "video_processor", with the tiny tower's patches and 4 frames
 VIDEO_PROCESSOR = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
                    "do_sample_frames": True, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
-                   "max_soft_tokens": MAX_SOFT_TOKENS, "num_frames": 4, "patch_size": PATCH, "pooling_kernel_size": POOL,
+                   "max_soft_tokens": MAX_SOFT_TOKENS, "num_frames": 4, "patch_size": PATCH,
+                   "pooling_kernel_size": POOL,
                    "resample": 3, "rescale_factor": 1 / 255, "return_metadata": False,
                    "video_processor_type": "Gemma4VideoProcessor"}
 

@@ -1203,7 +1203,10 @@ def test_gemma4_packed_masks_are_hfs_masks_of_each_sample_alone(gemma4_video, cl
     """The packed row's per-layer masks, cut at each sample, are exactly what HF builds for that sample alone
     (create_masks_for_vision_model from its mm_token_type_ids: each frame's soft tokens a bidirectional block on the
     sliding layers, causal on the full ones), and nothing crosses samples."""
-    from transformers.models.gemma4.modeling_gemma4 import create_masks_for_vision_model, get_block_sequence_ids_for_mask
+    from transformers.models.gemma4.modeling_gemma4 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
 
     fam = gemma4_video
     samples, _ = _samples(fam, clips)

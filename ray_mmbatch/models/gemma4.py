@@ -49,8 +49,17 @@ token or per layer and needs nothing per sample: per-layer inputs (PLE) from eac
 logit softcap (HFModel.head applies it, as HF does). flash_attention_2 is refused (HF does not support it for
 Gemma 4: flash drops the bidirectional image mask); 'auto' means sdpa.
 
-Not trained here: video (HF's Gemma 4 video processor needs torchvision, and the data path's video frames are
-Qwen-VL's), audio (no audio in the data path: a user turn with an ``<audio>`` slot -- an HF messages audio part
+Video (HF ``Gemma4VideoProcessor`` / ``Gemma4Processor.replace_video_token``): frames sampled as BaseVideoProcessor
+samples them (``num_frames`` 32 published; data/video/sampling.py), each resized as an image is into the video's own
+budget (``max_soft_tokens`` 70 published: ``image.video_max_pixels``), one temporal patch a frame, grid (frames, gh,
+gw). The text for the template's ``<|video|>``: per frame ``mm:ss `` + ``<|image>`` + N x ``<|video|>`` +
+``<image|>``, frames joined by a space (data/measure.gemma4_frame_blocks; materialize repeats each video token N
+times). The adapter gives ``pixel_values_videos`` [frames, video max_patches, ps * ps * 3] (normalized as HF's
+torchvision backend does: fused, in float32), ``video_position_ids`` and ``num_frames_per_video``;
+``mm_token_type_ids`` is 2 on video soft tokens, so each frame's run is a block of its own, bidirectional on the
+sliding layers exactly as an image's (the packed masks above do not change).
+
+Not trained here: audio (no audio in the data path: a user turn with an ``<audio>`` slot -- an HF messages audio part
 becomes one -- is skipped as unsupported_modality naming Gemma 4 and audio, data/text/conversations.py;
 an audio tower is frozen so DDP sees no unused weights), ``use_bidirectional_attention
 ='all'`` (an encoder), MoE checkpoints (``enable_moe_block``: untested here).
