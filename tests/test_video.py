@@ -596,18 +596,25 @@ def _shifted_ce(hf_model, kwargs: dict, labels) -> torch.Tensor:
     return F.cross_entropy(logits[at].float(), labels[at], reduction="none")
 
 
-@pytest.mark.parametrize("mode", ["pack", "pad"])
-def test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode):
-    samples, measured = _samples(family, clips)
+def _batch_equals_alone(fam, clips, mode: str, alone_ce) -> tuple[dict, torch.Tensor, dict]:
+    """The five samples of _samples collated in ``mode``: their target CE equals each sample alone through HF
+    (``alone_ce(fam, sample)``) within the family's tolerance. Returns (batch, the CE alone, the measured rows)."""
+    samples, measured = _samples(fam, clips)
     assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1] and list(measured[S.N_IMAGES]) == [0, 1, 0, 1, 0]
-    assert all(measured[S.N_FRAMES][i] > 0 for i in (0, 1, 4))
-    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, family.ids["pad_id"]), "cpu")
+    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, fam.ids["pad_id"]), "cpu")
     with torch.no_grad():
-        ours = family.model.target_ce(batch)
-        want = torch.cat([_alone_ce(family, s) for s in samples])
+        ours = fam.model.target_ce(batch)
+        want = torch.cat([alone_ce(fam, s) for s in samples])
     assert ours.shape == want.shape
     diff = float((ours - want).abs().max())
-    assert diff <= family.tol.ce, diff
+    assert diff <= fam.tol.ce, diff
+    return batch, want, measured
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode):
+    batch, want, measured = _batch_equals_alone(family, clips, mode, _alone_ce)
+    assert all(measured[S.N_FRAMES][i] > 0 for i in (0, 1, 4))
     if mode == "pack":  # controls: a naive pack (positions restarting, no M-RoPE) is visibly off
         _naive_pack_controls(family, batch, want)
 
@@ -886,6 +893,20 @@ def onevision(tmp_path_factory):
                            tol=TOLERANCE["llava_onevision"])
 
 
+def _hf_frames(ref: dict, name: str, data: bytes, cfg, asked: int):
+    """Our plan of a clip, its frames HF's (``ref``: tests/video_reference.py); None for the 1-frame clip, which HF's
+    sampler refuses (``asked`` frames of one) and the data path skips."""
+    if name == "one_frame":
+        assert str(ref[f"{name}/hf_failed"]).startswith("refused"), ref[f"{name}/hf_failed"]
+        with pytest.raises(VideoSkip, match=f"fewer than the {asked}"):
+            plan_video(data, cfg)
+        return None
+    assert not str(ref[f"{name}/hf_failed"]), name
+    plan = plan_video(data, cfg)
+    assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+    return plan
+
+
 def test_onevision_header_cost_and_pixels_equal_its_video_processor(clips, onevision, tmp_path):
     """Frames sampled, frames x 4 pooled features + 1 newline tokens, and the 42 px frames == HF's
     LlavaOnevisionVideoProcessor / LlavaOnevisionProcessor for every clip."""
@@ -903,14 +924,9 @@ def test_onevision_header_cost_and_pixels_equal_its_video_processor(clips, onevi
     from ray_mmbatch.data.video import video_patches
 
     for name, data in clips.data.items():
-        if name == "one_frame":  # 1 frame at 1 fps, 3 fps asked: HF's sampler refuses it, we skip it
-            assert str(ref[f"{name}/hf_failed"]).startswith("refused"), ref[f"{name}/hf_failed"]
-            with pytest.raises(VideoSkip, match="fewer than the 3"):
-                plan_video(data, cfg)
+        plan = _hf_frames(ref, name, data, cfg, 3)  # 1 frame at 1 fps, 3 fps asked: refused
+        if plan is None:
             continue
-        assert not str(ref[f"{name}/hf_failed"]), name
-        plan = plan_video(data, cfg)
-        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
         assert [list(plan.grid)] == ref[f"{name}/grid"].tolist() and plan.tokens == int(ref[f"{name}/tokens"]), name
         ours = normalize_video_patches(torch.from_numpy(video_patches(data, plan, cfg)), cfg.video_mean,
                                        cfg.video_std).numpy()
@@ -1052,15 +1068,8 @@ def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_onevision_batch_of_clips_and_images_equals_each_sample_alone_through_hf(onevision, clips, mode):
-    samples, measured = _samples(onevision, clips)
-    assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1]
-    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, onevision.ids["pad_id"]),
-                           "cpu")
+    batch, want, _ = _batch_equals_alone(onevision, clips, mode, _onevision_alone_ce)
     with torch.no_grad():
-        ours = onevision.model.target_ce(batch)
-        want = torch.cat([_onevision_alone_ce(onevision, s) for s in samples])
-        diff = float((ours - want).abs().max())
-        assert diff <= onevision.tol.ce, diff
         if mode == "pack":  # control: the clips' features in the wrong order (swap the first two clips)
             b2 = dict(batch)
             g = batch["video_grid_thw"]
@@ -1139,14 +1148,9 @@ def test_gemma4_header_cost_text_and_pixels_equal_its_video_processor(clips, gem
     ref = _run_reference(fam.path, clips.paths, tmp_path)
     adapter = fam.model._adapter
     for name, data in clips.data.items():
-        if name == "one_frame":
-            assert str(ref[f"{name}/hf_failed"]).startswith("refused"), ref[f"{name}/hf_failed"]
-            with pytest.raises(VideoSkip, match="fewer than the 4"):
-                plan_video(data, cfg)
+        plan = _hf_frames(ref, name, data, cfg, 4)
+        if plan is None:
             continue
-        assert not str(ref[f"{name}/hf_failed"]), name
-        plan = plan_video(data, cfg)
-        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
         per_frame = int(ref[f"{name}/tokens"][0])
         assert plan.grid[0] == 4 and plan.tokens == 4 * per_frame, (name, plan.grid, per_frame)
         assert _gemma4_video_text(fam, data) == fam.tok(str(ref[f"{name}/text"]), add_special_tokens=False).input_ids
@@ -1176,17 +1180,11 @@ def test_gemma4_batch_of_clips_and_images_equals_each_sample_alone_through_hf(ge
     sample alone through HF; packed, HF's own packing from restarting position ids (the naive packed feed) is off
     by more than 0.1 nats and frames typed as text (causal frame blocks) by more than 100 x the tolerance."""
     fam = gemma4_video
-    samples, measured = _samples(fam, clips)
-    assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1] and list(measured[S.N_FRAMES]) == [4, 4, 0, 0, 4]
-    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, fam.ids["pad_id"]), "cpu")
+    batch, want, measured = _batch_equals_alone(fam, clips, mode, _gemma4_alone_ce)
+    assert list(measured[S.N_FRAMES]) == [4, 4, 0, 0, 4]
+    if mode != "pack":
+        return
     with torch.no_grad():
-        ours = fam.model.target_ce(batch)
-        want = torch.cat([_gemma4_alone_ce(fam, s) for s in samples])
-        assert ours.shape == want.shape
-        diff = float((ours - want).abs().max())
-        assert diff <= fam.tol.ce, diff
-        if mode != "pack":
-            return
         hidden = fam.model.hf_model.model
         kwargs = fam.model.forward_inputs(batch)
         del kwargs["attention_mask"]  # HF finds the samples from the restarting position ids itself
