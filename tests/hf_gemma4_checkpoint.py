@@ -122,9 +122,10 @@ def _tokenizer(directory: Path):
     return tok
 
 
-def gemma4_processor(path):
+def gemma4_processor(path, video_processor=None):
     """HF's Gemma4Processor for the checkpoint at ``path``: its tokenizer and chat template, the PIL image processor
-    of its processor_config.json, the audio feature extractor; no video processor (HF's needs torchvision)."""
+    of its processor_config.json, the audio feature extractor; no video processor (HF's needs torchvision) unless
+    ``video_processor`` (the reference interpreter's, tests/targets_reference.py)."""
     from transformers import AutoTokenizer, Gemma4Processor
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
@@ -141,7 +142,7 @@ def gemma4_processor(path):
     images = Gemma4ImageProcessorPil(**{k: v for k, v in settings["image_processor"].items()
                                         if k != "image_processor_type"})
     return Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
-                     video_processor=None, chat_template=tok.chat_template,
+                     video_processor=video_processor, chat_template=tok.chat_template,
                      image_seq_length=settings["image_seq_length"])
 
 
