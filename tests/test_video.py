@@ -1267,6 +1267,12 @@ def test_gemma4_configure_takes_the_video_settings_hf_would_and_refuses_what_it_
         header = probe_video(clips.data[name], fps.image)
         want = default_sample_indices_fn(VideoMetadata(total_num_frames=header.frames, fps=header.fps), fps=3.0)
         assert plan_video(clips.data[name], fps.image).indices.tolist() == want.tolist(), name
+    (tmp_path / "capped").mkdir()  # --video-max-tokens: the fps count bounded by frames x a frame's tokens
+    capped = configured("capped", proc["video_processor"], **{"image.video_fps": 3.0, "image.video_max_tokens": 200})
+    plan = plan_video(clips.data["mpeg4_25fps"], capped.image)  # 1.6 s: 4 frames at 3 fps, of 63 tokens each
+    header = probe_video(clips.data["mpeg4_25fps"], capped.image)
+    want = default_sample_indices_fn(VideoMetadata(total_num_frames=header.frames, fps=header.fps), num_frames=3)
+    assert (plan.tokens, plan.indices.tolist()) == (3 * 63, want.tolist())
     (tmp_path / "budget").mkdir()
     assert configured("budget", proc["video_processor"], **{"image.video_max_pixels": 140 * 9 * 16}
                       ).image.video_max_pixels == 140 * 9 * 16
