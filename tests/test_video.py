@@ -1286,3 +1286,25 @@ def test_gemma4_configure_takes_the_video_settings_hf_would_and_refuses_what_it_
         (tmp_path / name).mkdir()
         with pytest.raises(ValueError, match=match):
             configured(name, video, **flags)
+
+
+def test_gemma4_video_text_is_refused_where_a_tokenizer_would_merge_the_first_timestamp(gemma4_video, clips):
+    """The first ``mm:ss`` follows the text before the video in HF's string; the data path splices it as its own
+    ids, which is exact only where no token spans a digit and the text before it (Gemma's tokenizer splits digits;
+    the tiny one's pre-tokenizer does): a BPE trained to merge ``:0`` is refused at its first clip."""
+    import string
+
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ray_mmbatch.data.measure import gemma4_frame_blocks
+
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.train_from_iterator(["Video clip:00:00 what?"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>"], initial_alphabet=list(string.printable), show_progress=False))
+    merging = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    merging.add_tokens(["<|image>", "<image|>", "<|image|>"], special_tokens=True)
+    plan = plan_video(clips.data["vfr"], gemma4_video.cfg.image)
+    with pytest.raises(ValueError, match="merges the text before a video with its first timestamp"):
+        gemma4_frame_blocks(merging, 7, gemma4_video.cfg.text.image_block)(plan)
+    assert len(gemma4_frame_blocks(gemma4_video.tok, 7, gemma4_video.cfg.text.image_block)(plan)) > 4 * 3
