@@ -99,7 +99,8 @@ class ImageConfig:
     video: str = ""
     """The HF video processor the cost model and pixels follow (data/video.py), named by the model_type it is
     written for ('qwen2_vl' serves qwen2_5_vl too; 'qwen3_vl': the pixel bounds cover the whole clip, timestamps
-    in the text). A ``--model`` checkpoint of a family that trains on video ({video_families}) sets it, and the
+    in the text; 'llava_onevision'; 'gemma4': each frame an image of the video's own budget, ``mm:ss`` before it).
+    A ``--model`` checkpoint of a family that trains on video ({video_families}) sets it, and the
     video_* settings below, from its video_preprocessor_config.json (else preprocessor_config.json, as HF falls
     back). '' = the family takes no video: a video sample stops the run at start, naming the family."""
     video_sample_frames: bool | None = flag("--video-sample-frames", None)

@@ -70,8 +70,11 @@ TOLERANCE = {  # comments: worst CE / gradient difference seen, any mode, any ch
     # within 5-15 % of it: another CPU's rounding would fail them)
     "qwen3_5": Tolerance(ce=4e-5, grad=6e-5),
     "qwen3_5_moe": Tolerance(ce=6e-5, grad=1.5e-4),
-    # Gemma 4 (issue 45): 2.9e-6 / 9.2e-6 (pack); the pixels are HF's bit for bit (rescaled in float64 as HF does)
-    "gemma4": Tolerance(ce=1e-5, grad=2e-5),
+    # Gemma 4 (issue 45): 2.9e-6 / 9.2e-6 (pack); the pixels are HF's bit for bit (rescaled in float64 as HF does).
+    # With video (tests/test_video.py: three 4-frame clips of 63-70 soft tokens a frame in a 1,060-token row) 1.43e-5
+    # packed, 7.6e-6 padded: fp32 rounding of the long row's attention, since in float64 the packed row's hidden
+    # states equal each sample's alone exactly (0.0); about twice the worst seen, as the families above have it
+    "gemma4": Tolerance(ce=3e-5, grad=2e-5),
     "mistral3": Tolerance(ce=1e-5, grad=2e-5),
     # GLM-4.1V / 4.5V (issue 45): 1.9e-6 / 1.7e-6 dense and MoE (an earlier sample set: 3.8e-6 dense, 5.2e-6 MoE on
     # eager); the pixels are HF's bit for bit, so this is packing's own rounding

@@ -18,7 +18,12 @@ ones named boa / eoa / audio token, ``<|video|>``), a ``<bos>`` post-processor a
 newlines. Chat template (``GEMMA4``): modelled on the published one: ``<|turn>role\\n ... <turn|>\\n``,
 the assistant's role written ``model``, a system turn of its own, every text part trimmed, one
 ``<|image|>`` per image part (the processor expands it to ``<|image>`` + N x ``<|image|>`` +
-``<image|>``).
+``<image|>``), one ``<|video|>`` per video part (the processor writes each sampled frame as ``mm:ss`` + ``<|image>``
++ N x ``<|video|>`` + ``<image|>``, the frames joined by spaces).
+
+processor_config.json nests the video processor's settings as the published checkpoints do (``VIDEO_PROCESSOR``:
+HF's Gemma4VideoProcessor with the published settings but the tower's 4 px patches and ``num_frames`` 4, not 32, so
+the test clips of a second or two are long enough and the tests fast).
 
 ``initializer_range`` 0.2 (not HF's 0.02) makes activations large enough that a wrong mask changes the
 loss visibly; HF initializes the patch position table to ones (every position alike: a patch order
@@ -63,6 +68,8 @@ GEMMA4 = (  # modelled on google/gemma-4-*-it's chat_template (no tools, no thin
     "        {%- for item in message['content'] -%}\n"
     "            {%- if item['type'] == 'image' -%}\n"
     "                {{- '<|image|>' -}}\n"
+    "            {%- elif item['type'] == 'video' -%}\n"
+    "                {{- '<|video|>' -}}\n"
     "            {%- elif item['type'] == 'text' -%}\n"
     "                {{- item['text'] | trim -}}\n"
     "            {%- endif -%}\n"
@@ -79,6 +86,15 @@ _SPECIAL = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 _NAMED = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
           "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
 _OTHER = ["<|turn>", "<turn|>", "<|video|>"]
+
+
+# the published google/gemma-4-* processor_config.json "video_processor", with the tiny tower's patches and 4 frames
+VIDEO_PROCESSOR = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                   "do_sample_frames": True, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
+                   "max_soft_tokens": MAX_SOFT_TOKENS, "num_frames": 4, "patch_size": PATCH,
+                   "pooling_kernel_size": POOL,
+                   "resample": 3, "rescale_factor": 1 / 255, "return_metadata": False,
+                   "video_processor_type": "Gemma4VideoProcessor"}
 
 
 def _tokenizer(directory: Path):
@@ -106,9 +122,10 @@ def _tokenizer(directory: Path):
     return tok
 
 
-def gemma4_processor(path):
+def gemma4_processor(path, video_processor=None):
     """HF's Gemma4Processor for the checkpoint at ``path``: its tokenizer and chat template, the PIL image processor
-    of its processor_config.json, the audio feature extractor; no video processor (HF's needs torchvision)."""
+    of its processor_config.json, the audio feature extractor; no video processor (HF's needs torchvision) unless
+    ``video_processor`` (the reference interpreter's, tests/targets_reference.py)."""
     from transformers import AutoTokenizer, Gemma4Processor
     from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
@@ -125,14 +142,16 @@ def gemma4_processor(path):
     images = Gemma4ImageProcessorPil(**{k: v for k, v in settings["image_processor"].items()
                                         if k != "image_processor_type"})
     return Processor(feature_extractor=Gemma4AudioFeatureExtractor(), image_processor=images, tokenizer=tok,
-                     video_processor=None, chat_template=tok.chat_template,
+                     video_processor=video_processor, chat_template=tok.chat_template,
                      image_seq_length=settings["image_seq_length"])
 
 
 def make_gemma4_checkpoint(directory, initializer_range: float = 0.2, seed: int = 0, text: dict | None = None,
-                           vision: dict | None = None, image_processor: dict | None = None) -> Path:
-    """Write the checkpoint into ``directory`` and return it; ``text`` / ``vision`` / ``image_processor``
-    override fields of the text config, the vision config and the image processor (benchmarks widen it)."""
+                           vision: dict | None = None, image_processor: dict | None = None,
+                           video_processor: dict | None = None) -> Path:
+    """Write the checkpoint into ``directory`` and return it; ``text`` / ``vision`` / ``image_processor`` /
+    ``video_processor`` override fields of the text config, the vision config and the processors (benchmarks
+    widen it)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4TextConfig, Gemma4VisionConfig
     from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
@@ -169,5 +188,6 @@ def make_gemma4_checkpoint(directory, initializer_range: float = 0.2, seed: int 
     images = Gemma4ImageProcessorPil(**processor_kw)
     (d / "processor_config.json").write_text(json.dumps({
         "processor_class": "Gemma4Processor", "image_seq_length": MAX_SOFT_TOKENS,
-        "image_processor": {**images.to_dict(), "image_processor_type": "Gemma4ImageProcessor"}}, indent=2))
+        "image_processor": {**images.to_dict(), "image_processor_type": "Gemma4ImageProcessor"},
+        "video_processor": {**VIDEO_PROCESSOR, **(video_processor or {})}}, indent=2))
     return d

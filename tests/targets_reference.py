@@ -52,15 +52,24 @@ CONVERSATION = [  # as data gives it (LLaVA style)
     {"from": "gpt", "value": "The first."},
 ]
 ANSWERS = [t["value"] for t in CONVERSATION if t["from"] == "gpt"]
+# the same conversation with a clip in place of the second picture (families whose template renders video)
+VIDEO_CONVERSATION = [dict(t, value=t["value"].replace("with <image>", "with <video>")) for t in CONVERSATION]
+
+
+def video_clip() -> bytes:
+    """A 2.3 s clip of 23 frames at 10 fps, H.264 with B-frames (synthetic/video.py)."""
+    from ray_mmbatch.synthetic.video import clip_frames, encode_clip
+
+    return encode_clip(clip_frames(23, 48, 64, 1), fps=10, bframes=2)
 
 
 def _text(t: str) -> dict:
     return {"type": "text", "text": t}
 
 
-def messages(images: list | None = None) -> list[dict]:
+def messages(images: list | None = None, video: bool = False) -> list[dict]:
     """The same conversation as the chat template's messages (``images``: PIL images put into the image parts,
-    as processor.apply_chat_template loads them)."""
+    as processor.apply_chat_template loads them; ``video``: VIDEO_CONVERSATION's, a video part second)."""
     pics = iter(images or [])
 
     def image() -> dict:
@@ -69,7 +78,8 @@ def messages(images: list | None = None) -> list[dict]:
     return [{"role": "system", "content": [_text("Answer briefly.")]},
             {"role": "user", "content": [image(), _text("What is in the first picture?")]},
             {"role": "assistant", "content": [_text(ANSWERS[0])]},
-            {"role": "user", "content": [_text("Compare it with "), image(), _text(" please.")]},
+            {"role": "user", "content": [_text("Compare it with "), {"type": "video"} if video else image(),
+                                         _text(" please.")]},
             {"role": "assistant", "content": [_text(ANSWERS[1])]},
             {"role": "user", "content": [_text("Which is brighter?")]},
             {"role": "assistant", "content": [_text(ANSWERS[2])]}]
@@ -89,17 +99,19 @@ def pil_images() -> list[Image.Image]:
 
 
 # ------------------------------------------------------------------ the project's side (the code under test)
-def project_sample(path) -> tuple[np.ndarray, np.ndarray]:
+def project_sample(path, video: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) of the sample as the data path gives them to the model: the checkpoint's config
-    (hf.config_from_checkpoint) -> measure_batch -> materialize_sample (image tokens expanded, labels shifted)."""
+    (hf.config_from_checkpoint) -> measure_batch -> materialize_sample (image tokens expanded, labels shifted);
+    ``video``: VIDEO_CONVERSATION with video_clip() second."""
     from ray_mmbatch import hf
     from ray_mmbatch.data.materialize import materialize_sample
     from ray_mmbatch.data.measure import measure_batch
     from ray_mmbatch.data.text.encoder import tokenizer_for
 
     cfg = hf.config_from_checkpoint(str(path))
-    pics = png_images()
-    raw = {S.SAMPLE_ID: ["s"], S.CONVERSATIONS: [json.dumps(CONVERSATION)], S.IMAGES: [pics],
+    pics = png_images()[:1] + [video_clip()] if video else png_images()
+    conversation = VIDEO_CONVERSATION if video else CONVERSATION
+    raw = {S.SAMPLE_ID: ["s"], S.CONVERSATIONS: [json.dumps(conversation)], S.IMAGES: [pics],
            S.IMAGE_REFS: [[f"{j}.png" for j in range(len(pics))]], S.READ_ERROR: [""]}
     measured = measure_batch(raw, cfg.image, tokenizer_for(cfg.text), cfg.text)
     assert not measured[S.SKIP_REASON][0], measured[S.SKIP_REASON][0]
@@ -206,18 +218,21 @@ class Derived:
         return [p for t in self.turns for p in t.positions]
 
 
-def derive_turns(processor, msgs: list[dict], images: list) -> Derived:
-    """The assistant turns' tokens in the processor's ids of the whole sample (module docstring)."""
+def derive_turns(processor, msgs: list[dict], images: list, videos: list | None = None) -> Derived:
+    """The assistant turns' tokens in the processor's ids of the whole sample (module docstring); ``videos``: paths
+    of the clips of the messages' video parts (HF's video processor reads and samples them itself)."""
     tok = processor.tokenizer
     full = tok.apply_chat_template(msgs, tokenize=False)
-    out = processor(text=full, images=[images], add_special_tokens=False, return_text_replacement_offsets=True)
+    out = processor(text=full, images=[images], add_special_tokens=False, return_text_replacement_offsets=True,
+                    **({"videos": videos} if videos else {}))
     ids = list(out["input_ids"][0])
-    blocks = [r["replacement"] for r in out["text_replacement_offsets"][0]]
-    assert len(blocks) == len(images)
+    blocks = {kind: [r["replacement"] for r in out["text_replacement_offsets"][0] if r["type"] == kind]
+              for kind in ("image", "video")}
+    assert len(blocks["image"]) == len(images) and len(blocks["video"]) == len(videos or [])
 
     def tokens(text: str) -> list[int]:
-        n = text.count(processor.image_token)
-        (expanded,), _ = processor.get_text_with_replacements([text], blocks[:n])
+        n, v = text.count(processor.image_token), text.count(processor.video_token) if videos else 0
+        (expanded,), _ = processor.get_text_with_replacements([text], blocks["image"][:n], blocks["video"][:v])
         return tok(expanded, add_special_tokens=False).input_ids
 
     assert tokens(full) == ids  # the blocks spliced into the text are the processor's ids
@@ -297,3 +312,26 @@ def with_generation_blocks(template: str, family: str, through_newline: bool = F
              f"{{{{ {inside} }}}}{{% endgeneration %}}{{{{ m[({inside}) | length:] }}}}"
              f"{{% else %}}{{{{ m }}}}{{% endif %}}")
     return template.replace(end, close + end)
+
+
+def main(checkpoint: str, clip: str, out: str) -> None:
+    """The reference interpreter's half of test_targets' video case (HF's Gemma 4 video processor needs
+    torchvision): the turns of messages(video=True) as Gemma4Processor, with the checkpoint's own video processor,
+    gives them for the first picture and the clip at ``clip``, written to ``out`` as JSON."""
+    from transformers import AutoVideoProcessor
+
+    from tests.hf_gemma4_checkpoint import gemma4_processor
+
+    processor = gemma4_processor(checkpoint, AutoVideoProcessor.from_pretrained(checkpoint))
+    derived = derive_turns(processor, messages(video=True), pil_images()[:1], [clip])
+    Path(out).write_text(json.dumps({"ids": [int(i) for i in derived.ids],
+                                     "turns": [[t.start, t.ids, t.tail] for t in derived.turns]}))
+
+
+if __name__ == "__main__":
+    import sys
+
+    from tests.video_reference import _with_pyav_ffmpeg
+
+    _with_pyav_ffmpeg()  # torchcodec, HF's loader for a path, on PyAV's FFmpeg
+    main(*sys.argv[1:4])

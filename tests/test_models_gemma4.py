@@ -205,7 +205,9 @@ def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
         ("budget", PATCH, POOL, 1, MAX_SOFT_TOKENS * POOL ** 2 * PATCH ** 2)
     assert im.image_mean == (0.0,) * 3 and im.image_std == (1.0,) * 3
     assert (cfg.text.tokenizer, cfg.text.image_token, cfg.text.image_block) == (str(ckpt), "<|image|>", BLOCK)
-    assert (cfg.text.video_token, cfg.text.family) == ("", "Gemma 4")  # no video for Gemma 4 here
+    assert (cfg.text.video_token, cfg.text.family) == ("<|video|>", "Gemma 4")  # video: tests/test_video.py
+    assert (im.video, im.video_num_frames, im.video_max_pixels) == \
+        ("gemma4", 4, MAX_SOFT_TOKENS * POOL ** 2 * PATCH ** 2)
     assert gemma4.configure(copy.deepcopy(cfg)).text == cfg.text  # idempotent
 
 

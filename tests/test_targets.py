@@ -318,3 +318,37 @@ def test_the_check_fails_on_wrong_targets(built, family, control):
         match = rf"trained but not an assistant turn: \[\]; not trained: \[{at}\]"
     with pytest.raises(AssertionError, match=match):
         R.check_targets(b.ids, labels, b.derived)
+
+
+def test_gemma4_trained_tokens_with_a_video_are_the_assistant_turns(built, tmp_path):
+    """Gemma 4 with a clip in the second question (the tiny checkpoint's template renders ``<|video|>`` for a video
+    part, as the published one does): the sample's ids are HF's Gemma4Processor's with its own video processor
+    reading the clip (each sampled frame's ``mm:ss`` and soft-token block, run in the reference interpreter:
+    torchvision), and the trained tokens exactly the assistant turns derived from them."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    python = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON", str(root / ".venv-ref" / "bin" / "python"))
+    if not Path(python).is_file():
+        if os.environ.get("RAY_MMBATCH_REQUIRE_REFERENCE") == "1":
+            pytest.fail(f"the reference interpreter {python} is missing: run scripts/setup.sh --reference")
+        pytest.skip(f"no reference interpreter at {python} (scripts/setup.sh --reference makes it)")
+    b = built("gemma4")
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(R.video_clip())
+    done = subprocess.run([python, str(root / "tests" / "targets_reference.py"), str(b.ckpt), str(clip),
+                           str(tmp_path / "derived.json")], capture_output=True, text=True, timeout=600,
+                          cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads((tmp_path / "derived.json").read_text())
+    derived = R.Derived(got["ids"], [R.Turn(*t) for t in got["turns"]])
+    ids, labels = R.project_sample(b.ckpt, video=True)
+    video_id = b.processor.tokenizer.convert_tokens_to_ids("<|video|>")
+    assert int((np.asarray(derived.ids) == video_id).sum()) > 4 * 10  # 4 frames of many soft tokens
+    R.check_targets(ids, labels, derived)
+    assert [_decode(b, t.ids) for t in derived.turns] == [a + "<turn|>" for a in R.ANSWERS]
+    labels[derived.turns[1].start - 2] = ids[derived.turns[1].start - 1]  # the control: one user token more
+    with pytest.raises(AssertionError, match="trained but not an assistant turn"):
+        R.check_targets(ids, labels, derived)

@@ -596,18 +596,25 @@ def _shifted_ce(hf_model, kwargs: dict, labels) -> torch.Tensor:
     return F.cross_entropy(logits[at].float(), labels[at], reduction="none")
 
 
-@pytest.mark.parametrize("mode", ["pack", "pad"])
-def test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode):
-    samples, measured = _samples(family, clips)
+def _batch_equals_alone(fam, clips, mode: str, alone_ce) -> tuple[dict, torch.Tensor, dict]:
+    """The five samples of _samples collated in ``mode``: their target CE equals each sample alone through HF
+    (``alone_ce(fam, sample)``) within the family's tolerance. Returns (batch, the CE alone, the measured rows)."""
+    samples, measured = _samples(fam, clips)
     assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1] and list(measured[S.N_IMAGES]) == [0, 1, 0, 1, 0]
-    assert all(measured[S.N_FRAMES][i] > 0 for i in (0, 1, 4))
-    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, family.ids["pad_id"]), "cpu")
+    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, fam.ids["pad_id"]), "cpu")
     with torch.no_grad():
-        ours = family.model.target_ce(batch)
-        want = torch.cat([_alone_ce(family, s) for s in samples])
+        ours = fam.model.target_ce(batch)
+        want = torch.cat([alone_ce(fam, s) for s in samples])
     assert ours.shape == want.shape
     diff = float((ours - want).abs().max())
-    assert diff <= family.tol.ce, diff
+    assert diff <= fam.tol.ce, diff
+    return batch, want, measured
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_a_batch_of_clips_and_images_equals_each_sample_alone_through_hf(family, clips, mode):
+    batch, want, measured = _batch_equals_alone(family, clips, mode, _alone_ce)
+    assert all(measured[S.N_FRAMES][i] > 0 for i in (0, 1, 4))
     if mode == "pack":  # controls: a naive pack (positions restarting, no M-RoPE) is visibly off
         _naive_pack_controls(family, batch, want)
 
@@ -886,6 +893,20 @@ def onevision(tmp_path_factory):
                            tol=TOLERANCE["llava_onevision"])
 
 
+def _hf_frames(ref: dict, name: str, data: bytes, cfg, asked: int):
+    """Our plan of a clip, its frames HF's (``ref``: tests/video_reference.py); None for the 1-frame clip, which HF's
+    sampler refuses (``asked`` frames of one) and the data path skips."""
+    if name == "one_frame":
+        assert str(ref[f"{name}/hf_failed"]).startswith("refused"), ref[f"{name}/hf_failed"]
+        with pytest.raises(VideoSkip, match=f"fewer than the {asked}"):
+            plan_video(data, cfg)
+        return None
+    assert not str(ref[f"{name}/hf_failed"]), name
+    plan = plan_video(data, cfg)
+    assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
+    return plan
+
+
 def test_onevision_header_cost_and_pixels_equal_its_video_processor(clips, onevision, tmp_path):
     """Frames sampled, frames x 4 pooled features + 1 newline tokens, and the 42 px frames == HF's
     LlavaOnevisionVideoProcessor / LlavaOnevisionProcessor for every clip."""
@@ -903,14 +924,9 @@ def test_onevision_header_cost_and_pixels_equal_its_video_processor(clips, onevi
     from ray_mmbatch.data.video import video_patches
 
     for name, data in clips.data.items():
-        if name == "one_frame":  # 1 frame at 1 fps, 3 fps asked: HF's sampler refuses it, we skip it
-            assert str(ref[f"{name}/hf_failed"]).startswith("refused"), ref[f"{name}/hf_failed"]
-            with pytest.raises(VideoSkip, match="fewer than the 3"):
-                plan_video(data, cfg)
+        plan = _hf_frames(ref, name, data, cfg, 3)  # 1 frame at 1 fps, 3 fps asked: refused
+        if plan is None:
             continue
-        assert not str(ref[f"{name}/hf_failed"]), name
-        plan = plan_video(data, cfg)
-        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist(), name
         assert [list(plan.grid)] == ref[f"{name}/grid"].tolist() and plan.tokens == int(ref[f"{name}/tokens"]), name
         ours = normalize_video_patches(torch.from_numpy(video_patches(data, plan, cfg)), cfg.video_mean,
                                        cfg.video_std).numpy()
@@ -1052,15 +1068,8 @@ def _onevision_alone_ce(fam, s: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_onevision_batch_of_clips_and_images_equals_each_sample_alone_through_hf(onevision, clips, mode):
-    samples, measured = _samples(onevision, clips)
-    assert list(measured[S.N_VIDEOS]) == [1, 1, 0, 0, 1]
-    batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, onevision.ids["pad_id"]),
-                           "cpu")
+    batch, want, _ = _batch_equals_alone(onevision, clips, mode, _onevision_alone_ce)
     with torch.no_grad():
-        ours = onevision.model.target_ce(batch)
-        want = torch.cat([_onevision_alone_ce(onevision, s) for s in samples])
-        diff = float((ours - want).abs().max())
-        assert diff <= onevision.tol.ce, diff
         if mode == "pack":  # control: the clips' features in the wrong order (swap the first two clips)
             b2 = dict(batch)
             g = batch["video_grid_thw"]
@@ -1095,3 +1104,207 @@ def test_a_configured_run_crosses_to_the_workers_with_its_video_settings(family)
     assert all(isinstance(v, float) for v in back.image.video_mean + back.image.video_std)
     back.image.grid_pinpoints = (42, 84)
     assert apply_overrides(Config(), flatten(back.to_dict())).image.grid_pinpoints == (42, 84)
+
+
+# ------------------------------------------------------------------ Gemma 4: frames as images in mm:ss blocks
+@pytest.fixture(scope="module")
+def gemma4_video(tmp_path_factory):
+    """The tiny Gemma 4 checkpoint (tests/hf_gemma4_checkpoint.py) with its video processor as published checkpoints
+    nest it in processor_config.json (the tower's 4 px patches, 70 soft tokens a frame, num_frames 4)."""
+    from ray_mmbatch.models import gemma4
+    from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
+
+    path = make_gemma4_checkpoint(tmp_path_factory.mktemp("gemma4"))
+    cfg = harness_configure(gemma4, path)
+    tok = load_tokenizer(cfg.text.tokenizer)
+    ids = token_ids(cfg, tok)
+    torch.manual_seed(0)
+    model = gemma4.create_model(cfg, ids).eval()
+    return SimpleNamespace(name="gemma4", path=path, cfg=cfg, tok=tok, ids=ids, model=model, tol=TOLERANCE["gemma4"])
+
+
+def _gemma4_video_text(fam, data: bytes) -> list[int]:
+    """The ids measure writes for one clip (data/measure.gemma4_frame_blocks), each frame's video token expanded to
+    its soft tokens as materialize expands it."""
+    from ray_mmbatch.data.measure import gemma4_frame_blocks
+
+    plan = plan_video(data, fam.cfg.image)
+    video_id = fam.tok.convert_tokens_to_ids("<|video|>")
+    block = gemma4_frame_blocks(fam.tok, video_id, fam.cfg.text.image_block)(plan)
+    return np.repeat(block, np.where(block == video_id, plan.tokens // plan.frames, 1)).tolist()
+
+
+def test_gemma4_header_cost_text_and_pixels_equal_its_video_processor(clips, gemma4_video, tmp_path):
+    """For every clip: the frames HF's Gemma4VideoProcessor samples (num_frames 4 of the checkpoint, spread as
+    BaseVideoProcessor spreads them), each frame's soft tokens from the header (its image budget resize), the
+    processor's text (Gemma4Processor.replace_video_token: ``mm:ss`` + a block of soft tokens per frame) tokenized,
+    and pixel_values_videos / video_position_ids ([frames, 630, 48], bit for bit) equal HF's; the 1-frame clip HF
+    refuses (fewer frames than num_frames) is skipped."""
+    from ray_mmbatch.data.video import video_patches
+
+    fam, cfg = gemma4_video, gemma4_video.cfg.image
+    assert (cfg.video, cfg.video_sample_frames, cfg.video_num_frames, cfg.video_fps, fam.cfg.text.video_token) == \
+        ("gemma4", True, 4, None, "<|video|>")
+    ref = _run_reference(fam.path, clips.paths, tmp_path)
+    adapter = fam.model._adapter
+    for name, data in clips.data.items():
+        plan = _hf_frames(ref, name, data, cfg, 4)
+        if plan is None:
+            continue
+        per_frame = int(ref[f"{name}/tokens"][0])
+        assert plan.grid[0] == 4 and plan.tokens == 4 * per_frame, (name, plan.grid, per_frame)
+        assert _gemma4_video_text(fam, data) == fam.tok(str(ref[f"{name}/text"]), add_special_tokens=False).input_ids
+        got = adapter.video_inputs(torch.from_numpy(video_patches(data, plan, cfg)), torch.tensor([plan.grid]))
+        assert got["pixel_values_videos"].shape == ref[f"{name}/pixels"].shape, name
+        assert np.array_equal(got["pixel_values_videos"].numpy(), ref[f"{name}/pixels"]), name
+        assert np.array_equal(got["video_position_ids"].numpy(), ref[f"{name}/positions"]), name
+        assert got["num_frames_per_video"].tolist() == [4]
+
+
+def _gemma4_alone_ce(fam, s: dict) -> torch.Tensor:
+    """The sample alone through HF's own forward: attention_mask of ones and mm_token_type_ids (1 image, 2 video soft
+    tokens, as HF's processor types them), HF building its per-layer masks; pixels as its processors give them
+    (test above and tests/test_models_gemma4.py)."""
+    ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[None]
+    kwargs = {k: v for k, v in fam.model.forward_inputs(batch_to_torch(collate_pad([s], fam.ids["pad_id"]), "cpu"))
+              .items() if k not in ("position_ids", "attention_mask")}
+    kwargs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
+    assert torch.equal(kwargs["mm_token_type_ids"], (ids == fam.ids["image_token_id"]).long()
+                       + 2 * (ids == fam.tok.convert_tokens_to_ids("<|video|>")).long())
+    return _shifted_ce(fam.model.hf_model, kwargs, s["labels"])
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_gemma4_batch_of_clips_and_images_equals_each_sample_alone_through_hf(gemma4_video, clips, mode):
+    """Clips, a clip beside an image, text, an image and a rotated clip: a packed and a padded batch equal each
+    sample alone through HF; packed, HF's own packing from restarting position ids (the naive packed feed) is off
+    by more than 0.1 nats and frames typed as text (causal frame blocks) by more than 100 x the tolerance."""
+    fam = gemma4_video
+    batch, want, measured = _batch_equals_alone(fam, clips, mode, _gemma4_alone_ce)
+    assert list(measured[S.N_FRAMES]) == [4, 4, 0, 0, 4]
+    if mode != "pack":
+        return
+    with torch.no_grad():
+        hidden = fam.model.hf_model.model
+        kwargs = fam.model.forward_inputs(batch)
+        del kwargs["attention_mask"]  # HF finds the samples from the restarting position ids itself
+        naive = fam.model._target_ce(hidden(**kwargs).last_hidden_state, batch["labels"], "none")
+        assert float((naive - want).abs().max()) > 0.1
+        kwargs = fam.model.forward_inputs(batch)
+        as_text = kwargs["mm_token_type_ids"] * (kwargs["mm_token_type_ids"] != 2)
+        kwargs["attention_mask"] = fam.model._adapter.packed_masks(batch, as_text)
+        causal = fam.model._target_ce(hidden(**kwargs).last_hidden_state, batch["labels"], "none")
+        assert float((causal - want).abs().max()) > 100 * fam.tol.ce
+
+
+def test_gemma4_packed_masks_are_hfs_masks_of_each_sample_alone(gemma4_video, clips):
+    """The packed row's per-layer masks, cut at each sample, are exactly what HF builds for that sample alone
+    (create_masks_for_vision_model from its mm_token_type_ids: each frame's soft tokens a bidirectional block on the
+    sliding layers, causal on the full ones), and nothing crosses samples."""
+    from transformers.models.gemma4.modeling_gemma4 import (
+        create_masks_for_vision_model,
+        get_block_sequence_ids_for_mask,
+    )
+
+    fam = gemma4_video
+    samples, _ = _samples(fam, clips)
+    batch = batch_to_torch(collate_pack(samples, fam.ids["pad_id"]), "cpu")
+    masks = fam.model.forward_inputs(batch)["attention_mask"]
+    text_config = fam.model.hf_model.config.get_text_config()
+    at = 0
+    for s in samples:
+        ids = torch.as_tensor(s["input_ids"], dtype=torch.long)[None]
+        n = ids.shape[1]
+        types = fam.model._adapter(batch_to_torch(collate_pad([s], fam.ids["pad_id"]), "cpu"))["mm_token_type_ids"]
+        alone = create_masks_for_vision_model(config=text_config, inputs_embeds=torch.empty(1, n, 1),
+                                              attention_mask=torch.ones_like(ids), cache=None,
+                                              position_ids=torch.arange(n)[None],
+                                              block_sequence_ids=get_block_sequence_ids_for_mask(types, "cpu"))
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        alone = {k: causal if m is None else m[0, 0] for k, m in alone.items()}  # None: sdpa's own causal mask
+        for kind, mask in masks.items():
+            assert torch.equal(mask[0, 0, at:at + n, at:at + n], alone[kind]), kind
+            assert not mask[0, 0, at:at + n, :at].any() and not mask[0, 0, at:at + n, at + n:].any()
+        if (types == 2).any():  # the frames are bidirectional blocks on the sliding layers
+            assert (alone["sliding_attention"] & ~causal).sum() > 4 * 10  # 4 frames' blocks, many tokens each
+        at += n
+
+
+def test_gemma4_configure_takes_the_video_settings_hf_would_and_refuses_what_it_cannot_reproduce(gemma4_video, clips,
+                                                                                                 tmp_path):
+    """Without video settings HF's Gemma4VideoProcessor defaults apply (16 px patches: they do not fit the tiny
+    tower, so it takes no video and a clip stops the run at measure); --video-fps samples at that rate (HF's own
+    default_sample_indices_fn with num_frames unset: HF refuses fps and num_frames together, as configure does for a
+    file that sets both); --video-max-pixels takes another of HF's frame budgets and nothing else; a shipped video
+    processor of another class or patch size is refused."""
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    from ray_mmbatch.models import gemma4
+    from tests.family_harness import variant
+
+    fam = gemma4_video
+    proc = json.loads((fam.path / "processor_config.json").read_text())
+
+    def configured(name: str, video: dict | None, **flags):
+        d = variant(fam.path, tmp_path / name, proc={"video_processor": video} if video is not None else None)
+        if video is None:
+            (d / "processor_config.json").write_text(json.dumps({k: v for k, v in proc.items()
+                                                                  if k != "video_processor"}))
+        return harness_configure(gemma4, d, **flags)
+
+    (tmp_path / "bare").mkdir()
+    bare = configured("bare", None)
+    assert (bare.image.video, bare.text.video_token) == ("", "")
+    raw = {S.SAMPLE_ID: ["v"], S.CONVERSATIONS: [json.dumps([{"from": "human", "value": "<video>\nWhat?"},
+                                                              {"from": "gpt", "value": "A clip."}])],
+           S.IMAGES: [[clips.data["vfr"]]], S.IMAGE_REFS: [["vfr.mp4"]], S.READ_ERROR: [""]}
+    with pytest.raises(VideoRefused, match="gemma4"):
+        measure_batch(raw, bare.image, fam.tok, bare.text)
+    (tmp_path / "fps").mkdir()
+    fps = configured("fps", proc["video_processor"], **{"image.video_fps": 3.0})
+    assert (fps.image.video_fps, fps.image.video_num_frames) == (3.0, None)
+    for name in ("h264_bframes", "mpeg4_25fps", "vfr"):
+        header = probe_video(clips.data[name], fps.image)
+        want = default_sample_indices_fn(VideoMetadata(total_num_frames=header.frames, fps=header.fps), fps=3.0)
+        assert plan_video(clips.data[name], fps.image).indices.tolist() == want.tolist(), name
+    (tmp_path / "capped").mkdir()  # --video-max-tokens: the fps count bounded by frames x a frame's tokens
+    capped = configured("capped", proc["video_processor"], **{"image.video_fps": 3.0, "image.video_max_tokens": 200})
+    plan = plan_video(clips.data["mpeg4_25fps"], capped.image)  # 1.6 s: 4 frames at 3 fps, of 63 tokens each
+    header = probe_video(clips.data["mpeg4_25fps"], capped.image)
+    want = default_sample_indices_fn(VideoMetadata(total_num_frames=header.frames, fps=header.fps), num_frames=3)
+    assert (plan.tokens, plan.indices.tolist()) == (3 * 63, want.tolist())
+    (tmp_path / "budget").mkdir()
+    assert configured("budget", proc["video_processor"], **{"image.video_max_pixels": 140 * 9 * 16}
+                      ).image.video_max_pixels == 140 * 9 * 16
+    for name, video, flags, match in (
+            ("both", dict(proc["video_processor"], fps=2.0), {}, "HF's sampler refuses them together"),
+            ("other", dict(proc["video_processor"], video_processor_type="Qwen2VLVideoProcessor"), {},
+             "Gemma4VideoProcessor only"),
+            ("patch", dict(proc["video_processor"], patch_size=8), {}, "vision tower has 4 / 3"),
+            ("tokens", dict(proc["video_processor"], max_soft_tokens=100), {}, "max_soft_tokens=100"),
+            ("pixels", proc["video_processor"], {"image.video_max_pixels": 1000}, "none of Gemma 4's frame budgets")):
+        (tmp_path / name).mkdir()
+        with pytest.raises(ValueError, match=match):
+            configured(name, video, **flags)
+
+
+def test_gemma4_video_text_is_refused_where_a_tokenizer_would_merge_the_first_timestamp(gemma4_video, clips):
+    """The first ``mm:ss`` follows the text before the video in HF's string; the data path splices it as its own
+    ids, which is exact only where no token spans a digit and the text before it (Gemma's tokenizer splits digits;
+    the tiny one's pre-tokenizer does): a BPE trained to merge ``:0`` is refused at its first clip."""
+    import string
+
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from ray_mmbatch.data.measure import gemma4_frame_blocks
+
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.train_from_iterator(["Video clip:00:00 what?"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>"], initial_alphabet=list(string.printable), show_progress=False))
+    merging = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+    merging.add_tokens(["<|image>", "<image|>", "<|image|>"], special_tokens=True)
+    plan = plan_video(clips.data["vfr"], gemma4_video.cfg.image)
+    with pytest.raises(ValueError, match="merges the text before a video with its first timestamp"):
+        gemma4_frame_blocks(merging, 7, gemma4_video.cfg.text.image_block)(plan)
+    assert len(gemma4_frame_blocks(gemma4_video.tok, 7, gemma4_video.cfg.text.image_block)(plan)) > 4 * 3

@@ -22,7 +22,9 @@ decode with the FFmpeg the project's PyAV decodes with, and no system FFmpeg is 
 A clip with fewer frames than temporal_patch_size makes Qwen2-VL's fps sampler divide by zero (it is then
 taken whole, as the project does, docs/data.md; ``<name>/hf_failed`` = "sampler") and Qwen3-VL's resize
 raise (``hf_failed`` = "processor: ...", no pixels). Qwen3-VL clips also get ``<name>/text``: the
-processor's timestamped video text (Qwen3VLProcessor.replace_video_token).
+processor's timestamped video text (Qwen3VLProcessor.replace_video_token); Gemma 4 clips ``<name>/text``
+(Gemma4Processor.replace_video_token), ``<name>/tokens`` (soft tokens a frame) and ``<name>/positions``
+(video_position_ids), their pixels [frames, max_patches, ps * ps * 3].
 Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``,
 ``<name>/total`` and ``<name>/fps`` (the loader's VideoMetadata).
 
@@ -102,6 +104,16 @@ def _qwen3_text(processor, grid, indices, fps: float) -> str:
     return Qwen3VLProcessor.replace_video_token(ns, {"video_grid_thw": grid, "video_metadata": [meta]}, 0)
 
 
+def _gemma4_text(got, meta: VideoMetadata) -> str:
+    """Gemma4Processor.replace_video_token's text for this clip (mm:ss per frame, its block of soft tokens), on the
+    loader's VideoMetadata as the processor gets it."""
+    from transformers.models.gemma4.processing_gemma4 import Gemma4Processor
+
+    ns = SimpleNamespace(boi_token="<|image>", eoi_token="<image|>", video_token="<|video|>")
+    inputs = {"num_soft_tokens_per_video": list(got["num_soft_tokens_per_video"]), "video_metadata": [meta]}
+    return Gemma4Processor.replace_video_token(ns, inputs, 0)
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     loader = spec.get("loader", "torchcodec")
@@ -126,7 +138,11 @@ def main(spec_path: str, out_path: str) -> None:
             out[f"{name}/hf_failed"] = np.array(f"processor: {e}")
             continue
         pixels = np.asarray(got["pixel_values_videos"], dtype=np.float32)
-        if "video_grid_thw" in got:
+        if type(processor).__name__ == "Gemma4VideoProcessor":  # [frames, max_patches, ps * ps * 3], per-frame blocks
+            out[f"{name}/positions"] = np.asarray(got["video_position_ids"], dtype=np.int64)
+            out[f"{name}/tokens"] = np.asarray(got["num_soft_tokens_per_video"], dtype=np.int64)
+            out[f"{name}/text"] = np.array(_gemma4_text(got, meta))
+        elif "video_grid_thw" in got:
             out[f"{name}/grid"] = np.asarray(got["video_grid_thw"], dtype=np.int64)
         else:  # LLaVA-OneVision: [1, frames, 3, S, S]; its tokens by LlavaOnevisionProcessor.replace_video_token
             from transformers.models.llava_onevision.processing_llava_onevision import LlavaOnevisionProcessor

@@ -21,6 +21,7 @@ import numpy as np
 from ray_mmbatch import schema as S
 from ray_mmbatch.config import ImageConfig
 from ray_mmbatch.data.image import decode_image, image_runs, image_tokens, patchify, probe_image
+from ray_mmbatch.data.video.cost import FRAME_BLOCKS
 
 
 def _items(value: Any) -> list:
@@ -45,7 +46,7 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
     """One measured, usable row -> model-ready arrays (see module docstring). Raises ImageSkip on bad pixels.
 
     Videos (data/video.py) are media items whose token is the video token: their tokens expand to the
-    clip's (Qwen3-VL: one video token per temporal patch, each a frame's tokens), their sampled frames
+    clip's (Qwen3-VL, Gemma 4: one video token per temporal patch, each a frame's tokens), their sampled frames
     become ``video_patches`` / ``video_grids`` (+ ``second_per_grid_ts``); the images go as without videos."""
     sid = row[S.SAMPLE_ID]
     ids = np.asarray(row[S.TEXT_IDS], dtype=np.int32)
@@ -75,7 +76,7 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
         repeats[pad_at] = np.repeat(grids[:, 1] * grids[:, 2] // image_cfg.merge_size ** 2 // per_image, per_image)
     plans = _video_plans(videos, vgrids, image_cfg, sid, _items(row.get(S.VIDEO_PLANS)))
     if plans:
-        per_clip = [int(g[0]) if image_cfg.video == "qwen3_vl" else 1 for g in vgrids]
+        per_clip = [int(g[0]) if image_cfg.video in FRAME_BLOCKS else 1 for g in vgrids]
         repeats[ids == video_id] = np.repeat([p.tokens // n for p, n in zip(plans, per_clip)], per_clip)
     input_ids, labels = _expand(row, ids, target, repeats)
     ps = image_cfg.patch_size
@@ -100,7 +101,7 @@ def materialize_sample(row: dict, image_cfg: ImageConfig, image_pad_id: int | No
 def _video_items(ids: np.ndarray, pad_id: int, video_id: int, grids: np.ndarray, image_cfg: ImageConfig,
                  sid) -> np.ndarray:
     """Which media items are videos: the media tokens in order (an image: one image token per run, image_runs; a
-    video: one video token, or one per temporal patch for Qwen3-VL)."""
+    video: one video token, or one per temporal patch for Qwen3-VL and Gemma 4, cost.FRAME_BLOCKS)."""
     media_at = np.flatnonzero((ids == pad_id) | (ids == video_id))
     is_video, k = np.zeros(len(grids), dtype=bool), 0
     for j, grid in enumerate(grids):
@@ -108,7 +109,7 @@ def _video_items(ids: np.ndarray, pad_id: int, video_id: int, grids: np.ndarray,
             raise ValueError(f"{sid}: {len(media_at)} media tokens for {len(grids)} media items")
         is_video[j] = ids[media_at[k]] == video_id
         if is_video[j]:
-            n = int(grid[0]) if image_cfg.video == "qwen3_vl" else 1
+            n = int(grid[0]) if image_cfg.video in FRAME_BLOCKS else 1
         else:
             n = image_runs(grid, image_cfg)
         if len(media_at[k:k + n]) != n or (ids[media_at[k:k + n]] != ids[media_at[k]]).any():

@@ -114,10 +114,11 @@ def _video_placeholders(conv: Any, plans: list) -> Any:
 def _video_pads(ids: np.ndarray, target: np.ndarray, plans: list, image_id: int, video_id: int,
                 frame_block=None, wrapper: tuple[int, int] = (-1, -1)) -> tuple[np.ndarray, np.ndarray]:
     """(ids, target) with the image token of each video media item replaced by the video token, or, for
-    Qwen3-VL (``frame_block(plan)``: the ids of its timestamped per-frame blocks), by that block, which also
-    takes the place of the ``wrapper`` (<|vision_start|>, <|vision_end|> ids) around the token where the template
-    wrote one: HF's Qwen3VLProcessor collapses the template's <|vision_start|><|video_pad|><|vision_end|> into the
-    frame blocks (each of which has its own pair)."""
+    Qwen3-VL and Gemma 4 (``frame_block(plan)``: the ids of its timestamped per-frame blocks), by that block, which
+    also takes the place of the ``wrapper`` (ids) around the token where the template wrote one: HF's
+    Qwen3VLProcessor collapses the template's <|vision_start|><|video_pad|><|vision_end|> into the frame blocks
+    (each of which has its own pair); Gemma 4's frames replace the image block the template's <|video|> became
+    (``frame_block.wrapper``: its <|image>, <image|> ids)."""
     at = np.flatnonzero(ids == image_id)
     kinds = np.asarray([p is not None for p in plans], dtype=bool)
     if len(at) != len(kinds) or not kinds.any():
@@ -158,6 +159,42 @@ def qwen3_frame_blocks(tok, video_id: int):
     return block
 
 
+def gemma4_frame_blocks(tok, video_id: int, image_block: tuple[str, ...]):
+    """plan -> Gemma 4's video text in place of the image block the template's slot became (text.image_block:
+    ``<|image>`` ``<|image|>`` ``<image|>``): per sampled frame ``mm:ss `` + ``<|image>`` + ONE video token +
+    ``<image|>``, the frames joined by a space (Gemma4Processor.replace_video_token; materialize expands each video
+    token to the frame's soft tokens). The text between two frames sits between special tokens and encodes alone,
+    as in the processor's ids; the first clock follows the text before the slot, which it cannot change where
+    the tokenizer never merges a digit with the text before it (Gemma's splits digits): checked here on this
+    tokenizer, a ValueError where it does."""
+    image, text = image_block
+    boi, eoi = text.split(image)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (boi, eoi)}
+
+    def enc(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    cache: dict[str, list[int]] = {}
+
+    def block(plan) -> np.ndarray:
+        if not cache:  # the first video: the check above
+            for left in ("\n", ":", "?", ".", ",", ")", "a", " it", "Video", "clip:"):
+                if enc(left + "00:00 ") != enc(left) + enc("00:00 "):
+                    raise ValueError(f"{getattr(tok, 'name_or_path', 'the tokenizer')} merges the text before a video "
+                                     f"with its first timestamp ({left!r} + '00:00 '): Gemma 4 video text cannot be "
+                                     "spliced exactly")
+        out: list[int] = []
+        for k, clock in enumerate(plan.clock_texts()):
+            text = f" {clock} " if k else f"{clock} "
+            if text not in cache:
+                cache[text] = enc(text)
+            out += cache[text] + [ids[boi], video_id, ids[eoi]]
+        return np.asarray(out, dtype=np.int32)
+
+    block.wrapper = (ids[boi], ids[eoi])
+    return block
+
+
 def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: TextConfig) -> dict[str, Any]:
     """RAW columns -> MEASURED columns for every row (see module docstring)."""
     n = len(batch[S.SAMPLE_ID])
@@ -191,8 +228,10 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             ids[i], target[i] = result
     image_id = image_token_id(tok, text_cfg)
     video_id = video_token_id(tok, text_cfg)
-    frame_block = qwen3_frame_blocks(tok, video_id) if image_cfg.video == "qwen3_vl" else None
-    wrapper = (tok.convert_tokens_to_ids(S.VISION_START), tok.convert_tokens_to_ids(S.VISION_END))
+    frame_block = qwen3_frame_blocks(tok, video_id) if image_cfg.video == "qwen3_vl" else \
+        gemma4_frame_blocks(tok, video_id, tuple(text_cfg.image_block)) if image_cfg.video == "gemma4" else None
+    wrapper = getattr(frame_block, "wrapper", None) or (tok.convert_tokens_to_ids(S.VISION_START),
+                                                        tok.convert_tokens_to_ids(S.VISION_END))
     for i in rows:
         if not reasons[i] and any(p is not None for p in plans[i]):
             ids[i], target[i] = _video_pads(ids[i], target[i], plans[i], image_id, video_id, frame_block, wrapper)

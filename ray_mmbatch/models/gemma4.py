@@ -49,8 +49,17 @@ token or per layer and needs nothing per sample: per-layer inputs (PLE) from eac
 logit softcap (HFModel.head applies it, as HF does). flash_attention_2 is refused (HF does not support it for
 Gemma 4: flash drops the bidirectional image mask); 'auto' means sdpa.
 
-Not trained here: video (HF's Gemma 4 video processor needs torchvision, and the data path's video frames are
-Qwen-VL's), audio (no audio in the data path: a user turn with an ``<audio>`` slot -- an HF messages audio part
+Video (HF ``Gemma4VideoProcessor`` / ``Gemma4Processor.replace_video_token``): frames sampled as BaseVideoProcessor
+samples them (``num_frames`` 32 published; data/video/sampling.py), each resized as an image is into the video's own
+budget (``max_soft_tokens`` 70 published: ``image.video_max_pixels``), one temporal patch a frame, grid (frames, gh,
+gw). The text for the template's ``<|video|>``: per frame ``mm:ss `` + ``<|image>`` + N x ``<|video|>`` +
+``<image|>``, frames joined by a space (data/measure.gemma4_frame_blocks; materialize repeats each video token N
+times). The adapter gives ``pixel_values_videos`` [frames, video max_patches, ps * ps * 3] (normalized as HF's
+torchvision backend does: fused, in float32), ``video_position_ids`` and ``num_frames_per_video``;
+``mm_token_type_ids`` is 2 on video soft tokens, so each frame's run is a block of its own, bidirectional on the
+sliding layers exactly as an image's (the packed masks above do not change).
+
+Not trained here: audio (no audio in the data path: a user turn with an ``<audio>`` slot -- an HF messages audio part
 becomes one -- is skipped as unsupported_modality naming Gemma 4 and audio, data/text/conversations.py;
 an audio tower is frozen so DDP sees no unused weights), ``use_bidirectional_attention
 ='all'`` (an encoder), MoE checkpoints (``enable_moe_block``: untested here).
@@ -64,6 +73,8 @@ from ray_mmbatch.models import hf_export, hf_fsdp_units, hf_state_prefix
 
 NAME = "gemma4"
 MODEL_TYPES: tuple[str, ...] = ("gemma4",)
+VIDEO_MODEL_TYPES: tuple[str, ...] = MODEL_TYPES
+"""The model types whose checkpoints train on video too (models.video_model_types)."""
 # the rest of the backend protocol (models/__init__.py) is the same for every HF family
 fsdp_units, state_prefix, export = hf_fsdp_units, hf_state_prefix, hf_export
 
@@ -127,14 +138,88 @@ def configure(cfg):
     adopt_setting(cfg, "text.family", FAMILY, f"{where_model} model_type gemma4")
     # HF Gemma4Processor.replace_image_token, with the soft token once (materialize repeats it)
     adopt_setting(cfg, "text.image_block", (image, f"{boi}{image}{eoi}"), f"{source} (Gemma4Processor)")
+    _configure_video(cfg, path, hf_cfg, tok, settings)
     return cfg
 
 
+# HF Gemma4VideoProcessor's class defaults, for what a checkpoint's video processor leaves out (the published
+# google/gemma-4-* processor_config.json "video_processor" says the same: 32 frames, 70 soft tokens a frame)
+_VIDEO_DEFAULTS = {"do_sample_frames": True, "fps": None, "num_frames": 32, "image_mean": (0.0,) * 3,
+                   "image_std": (1.0,) * 3, "patch_size": 16, "pooling_kernel_size": 3, "max_soft_tokens": 70}
+
+
+def _configure_video(cfg, path: str, hf_cfg, tok, image: dict) -> None:
+    """image.video* and text.video_token from the checkpoint's video processor (HF Gemma4VideoProcessor: frames
+    sampled as BaseVideoProcessor samples them, num_frames 32 by default; each frame resized as an image is, into a
+    budget of max_soft_tokens pooled patches, 70 by default; pixels rescaled to [0, 1]). --video-fps samples at that
+    rate instead of num_frames (HF refuses both at once); --video-min-frames / --video-max-frames / --video-max-tokens
+    bound that count; --video-max-pixels takes another of HF's budgets (max_soft_tokens x pooling**2 x patch**2).
+    A checkpoint without video settings whose tower HF's defaults (16 px patches, 3 x 3 pooling) do not fit takes
+    no video (image.video stays '': a video sample stops the run at measure)."""
+    from ray_mmbatch.models.hf_common import (
+        UNBOUNDED,
+        adopt_setting,
+        adopt_video_settings,
+        checked_token,
+        has_video_settings,
+        user_set,
+        video_processor_settings,
+    )
+
+    video, where = video_processor_settings(path)
+    where = f"{path} {where}" if video else f"HF Gemma4VideoProcessor's defaults ({path} ships no video settings)"
+    get = {k: video.get(k, d) for k, d in _VIDEO_DEFAULTS.items()}
+    if has_video_settings(video) and str(video.get("video_processor_type", "Gemma4VideoProcessor")) \
+            != "Gemma4VideoProcessor":
+        raise ValueError(f"{where}: video_processor_type {video['video_processor_type']!r}; the gemma4 backend "
+                         "reproduces Gemma4VideoProcessor only")
+    ps, k = int(get["patch_size"]), int(get["pooling_kernel_size"])
+    if (ps, k) != (image["patch_size"], image["merge_size"]) and not has_video_settings(video):
+        return  # HF's defaults do not fit this tower and the checkpoint says nothing of video: it takes none
+    if (ps, k) != (image["patch_size"], image["merge_size"]):
+        raise ValueError(f"{where}: patch_size {ps} / pooling_kernel_size {k} but the vision tower has "
+                         f"{image['patch_size']} / {image['merge_size']}")
+    budgets = {n: n * k * k * ps * ps for n in _SOFT_TOKENS}
+    if int(get["max_soft_tokens"]) not in budgets:
+        raise ValueError(f"{where}: max_soft_tokens={get['max_soft_tokens']}; HF's Gemma 4 processor takes "
+                         f"{list(_SOFT_TOKENS)}")
+    if get["fps"] is not None and get["num_frames"] is not None:
+        raise ValueError(f"{where}: fps {get['fps']} and num_frames {get['num_frames']} both set (num_frames "
+                         f"{_VIDEO_DEFAULTS['num_frames']} when left out); HF's sampler refuses them together")
+    if cfg.image.video_fps is not None and cfg.image.video_fps != get["fps"]:  # the user's rate, not num_frames
+        video = {**video, "num_frames": None}
+    pixels = cfg.image.video_max_pixels
+    if user_set(cfg, "image.video_max_pixels") and pixels not in budgets.values():
+        raise ValueError(f"image.video_max_pixels = {pixels} (--video-max-pixels) is none of Gemma 4's frame budgets "
+                         f"(max_soft_tokens x {k}**2 x {ps}**2 pixels): "
+                         f"{', '.join(f'{v} ({n} tokens)' for n, v in budgets.items())}")
+    adopt_setting(cfg, "image.video", NAME, f"{path} (HF Gemma4VideoProcessor)")
+    adopt_video_settings(cfg, video, where, FAMILY, _VIDEO_DEFAULTS)
+    adopt_setting(cfg, "image.video_max_pixels", budgets[int(get["max_soft_tokens"])],
+                  f"{where} max_soft_tokens {get['max_soft_tokens']} x {k}**2 x {ps}**2", user_may_override=True)
+    adopt_setting(cfg, "image.video_min_frames", 1, f"{where}: HF's sampler has no min_frames", user_may_override=True)
+    adopt_setting(cfg, "image.video_max_frames", UNBOUNDED, f"{where}: HF's sampler has no max_frames",
+                  user_may_override=True)
+    adopt_setting(cfg, "image.video_max_tokens", UNBOUNDED, f"{where}: HF's processor has no token cap",
+                  user_may_override=True)
+    token = checked_token(tok, hf_cfg.video_token_id, path, "video_token_id")
+    adopt_setting(cfg, "text.video_token", token, f"{path} tokenizer, config.json video_token_id")
+
+
 # ------------------------------------------------------------------ model
+def rescale(patches):
+    """uint8 patches -> float32 in [0, 1], rescaled in float64 then rounded once to float32, as HF's Gemma 4 image
+    processor (PIL backend) rescales: its very pixels, not 1 ulp off."""
+    import torch
+
+    return (patches.to(torch.float64) * (1.0 / 255.0)).to(torch.float32)
+
+
 def tower_inputs(patches, grids, patch_size: int, merge: int, max_patches: int, dtype):
-    """uint8 patches of (1, gh, gw) grids in merge-window order, (c, py, px) each (data/image/ patchify) ->
-    (pixel_values [n, max_patches, ps * ps * 3] in [0, 1], image_position_ids [n, max_patches, 2]) as HF's
-    Gemma 4 processor makes them: patches row-major, each (py, px, c), zero-padded; positions (x, y), -1 padding."""
+    """float32 patches of (1, gh, gw) grids in merge-window order, (c, py, px) each (data/image/ patchify; images
+    through ``rescale``, video frames as HF's video processor normalizes them) -> (pixel_values [n, max_patches,
+    ps * ps * 3], position ids [n, max_patches, 2]) as HF's Gemma 4 processors make them: patches row-major, each
+    (py, px, c), zero-padded; positions (x, y), -1 padding."""
     import torch
 
     ps, k, n = patch_size, merge, grids.shape[0]
@@ -146,8 +231,7 @@ def tower_inputs(patches, grids, patch_size: int, merge: int, max_patches: int, 
         if count > max_patches:
             raise ValueError(f"an image of {gh} x {gw} patches is over the budget of {max_patches} (was the data "
                              "measured with this checkpoint's image settings?)")
-        # rescaled in float64 then rounded once to float32, as HF's rescale does: its very pixels, not 1 ulp off
-        x = (patches[start:start + count].to(torch.float64) * (1.0 / 255.0)).to(torch.float32)
+        x = patches[start:start + count]
         # (block row, block col, row in block, col in block, c, py, px) -> (row, col, py, px, c)
         x = x.view(gh // k, gw // k, k, k, 3, ps, ps).permute(0, 2, 1, 3, 5, 6, 4).reshape(count, -1)
         pixels[i, :count] = x.to(dtype)
@@ -169,10 +253,16 @@ class Gemma4Adapter:
         self.ps, self.merge = int(image_cfg.patch_size), int(image_cfg.merge_size)
         self.max_patches = int(image_cfg.max_pixels) // (self.ps * self.ps)
         self.bidirectional = getattr(self.text_config, "use_bidirectional_attention", None) == "vision"
+        video_id = getattr(hf_model.config, "video_token_id", None)
+        self.video_token_id = -1 if video_id is None else int(video_id)
+        self.video_max_patches = int(image_cfg.video_max_pixels) // (self.ps * self.ps)
+        self.video_mean = tuple(image_cfg.video_mean or image_cfg.image_mean)
+        self.video_std = tuple(image_cfg.video_std or image_cfg.image_std)
 
     def __call__(self, batch: dict) -> dict:
         ids = batch["input_ids"]
-        mm_token_type_ids = (ids == self.image_token_id).long()
+        # as HF's processor types them: 1 image soft tokens, 2 video soft tokens; each run a bidirectional block
+        mm_token_type_ids = (ids == self.image_token_id).long() + 2 * (ids == self.video_token_id).long()
         kwargs = {"input_ids": ids, "position_ids": batch["position_ids"], "mm_token_type_ids": mm_token_type_ids}
         if batch["mode"] == "pad":
             kwargs["attention_mask"] = batch["attention_mask"]
@@ -185,8 +275,27 @@ class Gemma4Adapter:
             tower = self.hf.model.vision_tower
             dtype = tower.patch_embedder.input_proj.weight.dtype
             kwargs["pixel_values"], kwargs["image_position_ids"] = tower_inputs(
-                patches, batch["image_grid_thw"].reshape(-1, 3), self.ps, self.merge, self.max_patches, dtype)
+                rescale(patches), batch["image_grid_thw"].reshape(-1, 3), self.ps, self.merge, self.max_patches,
+                dtype)
+        vgrids = batch.get("video_grid_thw")
+        if vgrids is not None and vgrids.shape[0]:
+            kwargs.update(self.video_inputs(batch["video_patches"], vgrids.reshape(-1, 3).long()))
         return kwargs
+
+    def video_inputs(self, patches, grids) -> dict:
+        """The clips' frames as HF's Gemma4VideoProcessor gives them to the model: pixel_values_videos [frames,
+        max_patches, ps * ps * 3] (each frame an image of the video budget, normalized as its torchvision backend
+        does), video_position_ids, num_frames_per_video."""
+        import torch
+
+        from ray_mmbatch.models.hf_common import normalize_video_patches
+
+        frames = grids[:, 0]
+        per_frame = torch.repeat_interleave(torch.cat([torch.ones_like(frames)[:, None], grids[:, 1:]], 1), frames, 0)
+        dtype = self.hf.model.vision_tower.patch_embedder.input_proj.weight.dtype
+        pixels, positions = tower_inputs(normalize_video_patches(patches, self.video_mean, self.video_std), per_frame,
+                                         self.ps, self.merge, self.video_max_patches, dtype)
+        return {"pixel_values_videos": pixels, "video_position_ids": positions, "num_frames_per_video": frames}
 
     def packed_masks(self, batch: dict, mm_token_type_ids) -> dict:
         """{layer type: mask} of one packed row: causal AND same sample (full); AND the window, OR'd with the

@@ -3,7 +3,8 @@
     probe_video -> sample_indices -> frame_size -> VideoPlan (grid (t, h, w) in patches, tokens t*h*w / merge**2)
 
 Per-frame smart resize (HF's, with cap_pixels_per_frame); Qwen3-VL's bounds are over the whole clip; LLaVA-OneVision
-squashes every frame to the tower's square. Pure module: numpy only.
+squashes every frame to the tower's square; Gemma 4 keeps the aspect within a per-frame patch budget (its image
+resize, data/image/budget.py), one frame a temporal patch. Pure module: numpy only.
 """
 from __future__ import annotations
 
@@ -16,7 +17,12 @@ import numpy as np
 
 from ray_mmbatch.config import ImageConfig
 from ray_mmbatch.data.video.probe import VideoHeader, probe_video
-from ray_mmbatch.data.video.sampling import sample_indices
+from ray_mmbatch.data.video.sampling import gemma4_frame_size, sample_indices
+
+FRAME_BLOCKS = ("qwen3_vl", "gemma4")
+"""Video processors whose text writes one video token per temporal patch (each in a timestamped block of its own;
+a Gemma 4 frame is one temporal patch), which materialize expands to that patch's tokens; the others write one
+video token per clip."""
 
 
 def _smart_resize_qwen3(num_frames: int, height: int, width: int, cfg: ImageConfig, max_pixels: int
@@ -59,6 +65,8 @@ def frame_size(header: VideoHeader, n_frames: int, cfg: ImageConfig) -> tuple[in
 
     if cfg.video == "llava_onevision":  # every frame squashed to the tower's square, as its processor does
         return cfg.image_size, cfg.image_size
+    if cfg.video == "gemma4":
+        return gemma4_frame_size(header, cfg)
     if cfg.video == "qwen3_vl":  # the pixel bounds are the whole clip's; the cap is per frame, times frames
         hi = cfg.video_max_pixels
         if cfg.video_cap_pixels_per_frame:
@@ -118,6 +126,11 @@ class VideoPlan:
         idx += [idx[-1]] * (-len(idx) % self.temporal)
         t = [i / self.header.fps for i in idx]
         return [(t[k] + t[k + self.temporal - 1]) / 2 for k in range(0, len(t), self.temporal)]
+
+    def clock_texts(self) -> list[str]:
+        """Gemma 4: the text before each sampled frame's block, ``mm:ss`` of index / fps, as its processor writes it
+        (Gemma4Processor.replace_video_token on the loader's VideoMetadata.timestamps)."""
+        return [f"{int(s // 60):02d}:{int(s % 60):02d}" for s in (int(i) / self.header.fps for i in self.indices)]
 
     def timestamp_texts(self) -> list[str]:
         """Qwen3-VL's text before each temporal patch's vision block: ``<1.5 seconds>``."""

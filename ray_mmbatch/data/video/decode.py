@@ -134,11 +134,16 @@ def decode_video(data, plan: VideoPlan, cfg: ImageConfig) -> np.ndarray:
 
 
 def video_patches(data, plan: VideoPlan, cfg: ImageConfig) -> np.ndarray:
-    """The clip's uint8 patch rows as the family's model takes them: Qwen's (patchify_video), or LLaVA-OneVision's
-    one row a frame (channel-major [3, S, S], the frame as its processor resized it)."""
+    """The clip's uint8 patch rows as the family's model takes them: Qwen's (patchify_video), LLaVA-OneVision's
+    one row a frame (channel-major [3, S, S], the frame as its processor resized it), or Gemma 4's: each frame's
+    patches as an image's (data/image patchify: merge-window order, each (c, py, px)), frame after frame."""
     frames = decode_video(data, plan, cfg)
     if cfg.video == "llava_onevision":
         return np.ascontiguousarray(frames.transpose(0, 3, 1, 2)).reshape(len(frames), -1)
+    if cfg.video == "gemma4":
+        from ray_mmbatch.data.image import patchify
+
+        return np.concatenate([patchify(frame, cfg) for frame in frames])
     return patchify_video(frames, cfg)
 
 

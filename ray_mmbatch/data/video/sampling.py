@@ -1,7 +1,8 @@
 """Video sampling: which frames (decode order) the family's HF video processor takes from a clip.
 
 Formula for formula: Qwen2VLVideoProcessor.sample_frames (torch's float arange emulated), Qwen3VLVideoProcessor's
-np.linspace, BaseVideoProcessor's default (LLaVA-OneVision). Pure module: numpy only.
+np.linspace, BaseVideoProcessor's default (LLaVA-OneVision, Gemma 4). Pure module: numpy only (Gemma 4's token
+bound reads data/image/budget.py's frame size).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     total, tps = header.frames, max(1, int(cfg.temporal_patch_size))
     if cfg.video == "qwen3_vl":
         return _sample_qwen3(header, cfg)
-    if cfg.video == "llava_onevision":
+    if cfg.video in ("llava_onevision", "gemma4"):
         return _sample_default(header, cfg)
     if cfg.video != "qwen2_vl":
         raise ValueError(f"no video sampler {cfg.video!r}")
@@ -50,11 +51,11 @@ def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
 
 
 def _sample_default(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
-    """HF BaseVideoProcessor.sample_frames (``default_sample_indices_fn``; LLaVA-OneVision): num_frames, or
-    max(1, int(duration x fps)), spread as arange(n) * total // n; every frame when it does not sample. The fps
+    """HF BaseVideoProcessor.sample_frames (``default_sample_indices_fn``; LLaVA-OneVision, Gemma 4): num_frames,
+    or max(1, int(duration x fps)), spread as arange(n) * total // n; every frame when it does not sample. The fps
     count is bounded by video_min_frames..video_max_frames and by the frames video_max_tokens holds (HF has no
-    such bounds: models/llava_onevision.py sets them unbounded unless the user or LLaVA-NeXT's defaults give them;
-    the frames are then HF's for num_frames = that count)."""
+    such bounds: models/llava_onevision.py and models/gemma4.py set them unbounded unless the user or LLaVA-NeXT's
+    defaults give them; the frames are then HF's for num_frames = that count)."""
     total = header.frames
     if not cfg.video_sample_frames:
         return np.arange(total, dtype=np.int32)
@@ -64,12 +65,30 @@ def _sample_default(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
         most = cfg.video_max_frames
         if cfg.video == "llava_onevision" and cfg.anyres_features:  # frames x ceil(g / 2)**2 tokens, + 1
             most = min(most, max(1, (cfg.video_max_tokens - 1) // math.ceil(cfg.anyres_features / 2) ** 2))
+        if cfg.video == "gemma4":  # frames x the frame's pooled grid
+            most = min(most, max(1, cfg.video_max_tokens // gemma4_frame_tokens(header, cfg)))
         num = min(max(num, cfg.video_min_frames), most)
     if num is None:
         return np.arange(total, dtype=np.int32)
     if num > total:  # HF's sampler refuses more frames than the clip holds
         raise VideoSkip(S.SKIP_EMPTY_VIDEO, f"{total} frames, fewer than the {num} the processor samples")
     return (np.arange(num, dtype=np.int64) * total // num).astype(np.int32)
+
+
+def gemma4_frame_size(header: VideoHeader, cfg: ImageConfig) -> tuple[int, int]:
+    """(height, width) of every frame of a clip for Gemma 4: HF Gemma4VideoProcessor's aspect-kept resize into the
+    per-frame patch budget (data/image/budget.py with max_pixels = video_max_pixels; ImageSkip where HF raises)."""
+    import dataclasses
+
+    from ray_mmbatch.data.image.budget import budget_resize
+
+    return budget_resize(header.height, header.width, dataclasses.replace(cfg, max_pixels=cfg.video_max_pixels))
+
+
+def gemma4_frame_tokens(header: VideoHeader, cfg: ImageConfig) -> int:
+    """A Gemma 4 frame's soft tokens: its patch grid pooled merge_size x merge_size."""
+    h, w = gemma4_frame_size(header, cfg)
+    return (h // cfg.patch_size) * (w // cfg.patch_size) // cfg.merge_size ** 2
 
 
 def _sample_qwen3(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
