@@ -99,7 +99,9 @@ class ImageConfig:
     video: str = ""
     """The HF video processor the cost model and pixels follow (data/video.py), named by the model_type it is
     written for ('qwen2_vl' serves qwen2_5_vl too; 'qwen3_vl': the pixel bounds cover the whole clip, timestamps
-    in the text; 'llava_onevision'; 'gemma4': each frame an image of the video's own budget, ``mm:ss`` before it).
+    in the text; 'llava_onevision'; 'gemma4': each frame an image of the video's own budget, ``mm:ss`` before it;
+    'glm4v': GLM's fps sampler over the clip's duration, whole-clip bounds, each temporal patch an image block with
+    its second after it).
     A ``--model`` checkpoint of a family that trains on video ({video_families}) sets it, and the
     video_* settings below, from its video_preprocessor_config.json (else preprocessor_config.json, as HF falls
     back). '' = the family takes no video: a video sample stops the run at start, naming the family."""
@@ -120,12 +122,15 @@ class ImageConfig:
     video_max_frames: int = flag("--video-max-frames", 768)
     """Most frames fps sampling takes from a clip (HF ``max_frames``; a cap on LLaVA-OneVision's count); the
     user's value wins over the checkpoint's."""
+    video_max_duration: float = 300
+    """video='glm4v': HF Glm4vVideoProcessor ``max_duration``: a clip longer (in seconds) is sampled at
+    max_duration x video_fps frames spread over the whole clip, instead of video_fps frames a second."""
     video_min_pixels: int = 128 * 28 * 28
     """Smart resize lower bound on a frame's area (HF video processor ``size['shortest_edge']``); on the whole
-    clip's pixels (frames x area) for video='qwen3_vl', as its processor does."""
+    clip's pixels (frames x area) for video='qwen3_vl' and 'glm4v', as their processors do."""
     video_max_pixels: int = flag("--video-max-pixels", 768 * 28 * 28)
     """Smart resize upper bound on a frame's area (HF video processor ``size['longest_edge']``); on the whole
-    clip's pixels for video='qwen3_vl'."""
+    clip's pixels for video='qwen3_vl' and 'glm4v'."""
     video_cap_pixels_per_frame: bool = False
     """HF ``cap_pixels_per_frame`` (qwen-vl-utils' rule): each frame is also limited to an even share of
     video_max_tokens tokens' worth of pixels (90 %), floored at 1.05 x video_min_pixels."""

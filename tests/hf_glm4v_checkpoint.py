@@ -4,7 +4,8 @@
 config.json (``glm4v``: Glm4vConfig; ``glm4v_moe``: Glm4vMoeConfig with a dense first layer and then 4 routed
 experts of 32, top 2, one shared expert, sigmoid router), model.safetensors, the tokenizer and
 preprocessor_config.json from HF's own Glm4vImageProcessor (PIL backend: 14-pixel patches, 2 x 2 merge, 2
-temporal frames, CLIP mean / std, ``size`` 4 .. 64 merged tokens per image over 2 frames).
+temporal frames, CLIP mean / std, ``size`` 4 .. 64 merged tokens per image over 2 frames) and a
+video_preprocessor_config.json (VIDEO_PROCESSOR).
 Text model 64 wide, 2 layers, 2 heads of 32 with half of each head rotary and a 3-D RoPE section of 2 + 3 + 3
 (GLM-4.1V: 0.5 and 8 + 12 + 12 of 128); vision tower 2 blocks of 32 with a 8 x 8 learned position grid
 (``image_size`` 112) that GLM interpolates bicubically to each image's grid.
@@ -135,10 +136,21 @@ def _tokenizer(directory: Path):
     return tok
 
 
+# video_preprocessor_config.json as GLM-4.1V / 4.5V repos ship one (Glm4vVideoProcessor), shrunk: 3 frames a second,
+# clips over 3 s spread over max_duration x fps frames, 4 .. 96 merged tokens' pixels over the whole clip
+VIDEO_PROCESSOR = {"video_processor_type": "Glm4vVideoProcessor", "do_sample_frames": True, "fps": 3.0,
+                   "max_duration": 3, "patch_size": PATCH, "merge_size": MERGE, "temporal_patch_size": 2,
+                   "size": {"shortest_edge": 2 * 4 * FACTOR * FACTOR, "longest_edge": 96 * FACTOR * FACTOR},
+                   "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                   "image_std": [0.26862954, 0.26130258, 0.27577711]}
+
+
 def make_glm4v_checkpoint(directory, model_type: str = "glm4v", initializer_range: float = 0.2, seed: int = 0,
-                          text: dict | None = None, image_processor: dict | None = None) -> Path:
+                          text: dict | None = None, image_processor: dict | None = None,
+                          video_processor: dict | None = VIDEO_PROCESSOR) -> Path:
     """Write the checkpoint into ``directory`` and return it; ``text`` / ``image_processor`` override fields of the
-    text config and the image processor (benchmarks widen the model)."""
+    text config and the image processor (benchmarks widen the model); ``video_processor``: the
+    video_preprocessor_config.json written (None: none)."""
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
     from tests.hf_checkpoints import save_random_model
@@ -171,4 +183,8 @@ def make_glm4v_checkpoint(directory, model_type: str = "glm4v", initializer_rang
                     "size": {"shortest_edge": 2 * 4 * FACTOR * FACTOR, "longest_edge": 2 * 64 * FACTOR * FACTOR}}
     processor_kw.update(image_processor or {})
     Glm4vImageProcessorPil(**processor_kw).save_pretrained(d)
+    if video_processor is not None:
+        import json
+
+        (d / "video_preprocessor_config.json").write_text(json.dumps(video_processor))
     return d

@@ -23,7 +23,8 @@ A clip with fewer frames than temporal_patch_size makes Qwen2-VL's fps sampler d
 taken whole, as the project does, docs/data.md; ``<name>/hf_failed`` = "sampler") and Qwen3-VL's resize
 raise (``hf_failed`` = "processor: ...", no pixels). Qwen3-VL clips also get ``<name>/text``: the
 processor's timestamped video text (Qwen3VLProcessor.replace_video_token); Gemma 4 clips ``<name>/text``
-(Gemma4Processor.replace_video_token), ``<name>/tokens`` (soft tokens a frame) and ``<name>/positions``
+(Gemma4Processor.replace_video_token), GLM-4.1V clips ``<name>/text`` (the template's
+``<|begin_of_video|>`` ... ``<|end_of_video|>`` with Glm4vProcessor.replace_video_token's frames), ``<name>/tokens`` (soft tokens a frame) and ``<name>/positions``
 (video_position_ids), their pixels [frames, max_patches, ps * ps * 3].
 Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``,
 ``<name>/total`` and ``<name>/fps`` (the loader's VideoMetadata).
@@ -114,6 +115,18 @@ def _gemma4_text(got, meta: VideoMetadata) -> str:
     return Gemma4Processor.replace_video_token(ns, inputs, 0)
 
 
+def _glm4v_text(processor, grid, meta: VideoMetadata) -> str:
+    """The text GLM's template and Glm4vProcessor.replace_video_token write for this clip: <|begin_of_video|>, per
+    temporal patch an image block of <|image|> tokens and its second, <|end_of_video|>; on the loader's metadata."""
+    from transformers.models.glm4v.processing_glm4v import Glm4vProcessor
+
+    ns = SimpleNamespace(video_processor=processor, image_token="<|image|>")
+    ns.replace_frame_token_id = lambda *a, **k: Glm4vProcessor.replace_frame_token_id(ns, *a, **k)
+    return ("<|begin_of_video|>" + Glm4vProcessor.replace_video_token(ns, {"video_grid_thw": grid,
+                                                                          "video_metadata": [meta]}, 0)
+            + "<|end_of_video|>")
+
+
 def main(spec_path: str, out_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     loader = spec.get("loader", "torchcodec")
@@ -155,6 +168,8 @@ def main(spec_path: str, out_path: str) -> None:
         out[f"{name}/pixels"] = pixels
         if type(processor).__name__ == "Qwen2VLVideoProcessor":  # Qwen2-VL / 2.5-VL (Qwen3-VL writes timestamps)
             out[f"{name}/second_per_grid"] = _second_per_grid(processor, video, meta, **cap)
+        if type(processor).__name__ == "Glm4vVideoProcessor":
+            out[f"{name}/text"] = np.array(_glm4v_text(processor, got["video_grid_thw"], meta))
         if qwen3:
             out[f"{name}/text"] = np.array(_qwen3_text(processor, got["video_grid_thw"], indices, float(meta.fps)))
     if "chat" in spec:

@@ -195,6 +195,52 @@ def gemma4_frame_blocks(tok, video_id: int, image_block: tuple[str, ...]):
     return block
 
 
+def glm4v_frame_blocks(tok, video_id: int):
+    """plan -> GLM-4.1V's video text in place of the image block the template's slot became (``<|begin_of_image|>``
+    ``<|image|>`` ``<|end_of_image|>``): ``<|begin_of_video|>``, per temporal patch ``<|begin_of_image|>`` + ONE video
+    token + ``<|end_of_image|>`` + its whole second (VideoPlan.seconds_texts), ``<|end_of_video|>`` -- what GLM's
+    template writes for a video part with Glm4vProcessor.replace_video_token's frames in it. HF writes ``<|image|>``
+    in the frames too; the data path writes the video token (config.json video_token_id, ``<|video|>``) so a frame
+    is told from an image, and the adapter gives the model ``<|image|>`` there (models/glm4v.py). Each second sits
+    between special tokens and encodes alone, as in the processor's ids."""
+    names = ("<|begin_of_image|>", "<|end_of_image|>", "<|begin_of_video|>", "<|end_of_video|>")
+    boi, eoi, bov, eov = (tok.convert_tokens_to_ids(t) for t in names)
+    cache: dict[str, list[int]] = {}
+
+    def block(plan) -> np.ndarray:
+        out: list[int] = [bov]
+        for text in plan.seconds_texts():
+            if text not in cache:
+                cache[text] = list(tok(text, add_special_tokens=False).input_ids)
+            out += [boi, video_id, eoi] + cache[text]
+        return np.asarray(out + [eov], dtype=np.int32)
+
+    block.wrapper = (boi, eoi)
+    return block
+
+
+def _frame_block(tok, video_id: int, image_cfg: ImageConfig, text_cfg: TextConfig):
+    """The family's per-temporal-patch video text (cost.FRAME_BLOCKS), or None: one video token a clip."""
+    if image_cfg.video == "qwen3_vl":
+        return qwen3_frame_blocks(tok, video_id)
+    if image_cfg.video == "gemma4":
+        return gemma4_frame_blocks(tok, video_id, tuple(text_cfg.image_block))
+    if image_cfg.video == "glm4v":
+        return glm4v_frame_blocks(tok, video_id)
+    return None
+
+
+def _check_media_mix(plans: list, image_cfg: ImageConfig) -> None:
+    """GLM-4.1V: a sample with both an image and a video is skipped (unsupported_modality): HF's Glm4v forward
+    refuses them in one call (a frame's tokens are <|image|> too, and its image and video placeholder masks each
+    take every one), so such a sample has no HF forward to be exact against. Clips and images in different samples
+    of a batch are fine (models/glm4v.py places the features itself)."""
+    if image_cfg.video == "glm4v" and any(p is None for p in plans) and any(p is not None for p in plans):
+        raise ImageSkip(S.SKIP_UNSUPPORTED_MODALITY, "GLM-4.1V / 4.5V: a sample with both an image and a video is "
+                        "not trained (HF's Glm4v forward refuses an image and a video in one call); put them in "
+                        "separate samples")
+
+
 def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: TextConfig) -> dict[str, Any]:
     """RAW columns -> MEASURED columns for every row (see module docstring)."""
     n = len(batch[S.SAMPLE_ID])
@@ -211,6 +257,7 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             grids[i], img_tokens[i], plans[i] = _grids(_items(batch[S.IMAGES][i]),
                                                        [_text(r) for r in _items(batch[S.IMAGE_REFS][i])], image_cfg,
                                                        _text(batch[S.SAMPLE_ID][i]))
+            _check_media_mix(plans[i], image_cfg)
             convs[i] = _video_placeholders(_parse_conversation(batch[S.CONVERSATIONS][i]), plans[i])
         except (ImageSkip, TextSkip) as e:
             reasons[i] = e.skip_reason()
@@ -228,8 +275,7 @@ def measure_batch(batch: dict[str, Any], image_cfg: ImageConfig, tok, text_cfg: 
             ids[i], target[i] = result
     image_id = image_token_id(tok, text_cfg)
     video_id = video_token_id(tok, text_cfg)
-    frame_block = qwen3_frame_blocks(tok, video_id) if image_cfg.video == "qwen3_vl" else \
-        gemma4_frame_blocks(tok, video_id, tuple(text_cfg.image_block)) if image_cfg.video == "gemma4" else None
+    frame_block = _frame_block(tok, video_id, image_cfg, text_cfg)
     wrapper = getattr(frame_block, "wrapper", None) or (tok.convert_tokens_to_ids(S.VISION_START),
                                                         tok.convert_tokens_to_ids(S.VISION_END))
     for i in rows:

@@ -19,10 +19,10 @@ from ray_mmbatch.config import ImageConfig
 from ray_mmbatch.data.video.probe import VideoHeader, probe_video
 from ray_mmbatch.data.video.sampling import gemma4_frame_size, sample_indices
 
-FRAME_BLOCKS = ("qwen3_vl", "gemma4")
+FRAME_BLOCKS = ("qwen3_vl", "gemma4", "glm4v")
 """Video processors whose text writes one video token per temporal patch (each in a timestamped block of its own;
-a Gemma 4 frame is one temporal patch), which materialize expands to that patch's tokens; the others write one
-video token per clip."""
+a Gemma 4 frame is one temporal patch; GLM-4.1V's an image block), which materialize expands to that patch's
+tokens; the others write one video token per clip."""
 
 
 def _smart_resize_qwen3(num_frames: int, height: int, width: int, cfg: ImageConfig, max_pixels: int
@@ -67,8 +67,8 @@ def frame_size(header: VideoHeader, n_frames: int, cfg: ImageConfig) -> tuple[in
         return cfg.image_size, cfg.image_size
     if cfg.video == "gemma4":
         return gemma4_frame_size(header, cfg)
-    if cfg.video == "qwen3_vl":  # the pixel bounds are the whole clip's; the cap is per frame, times frames
-        hi = cfg.video_max_pixels
+    if cfg.video in ("qwen3_vl", "glm4v"):  # the pixel bounds are the whole clip's; the cap is per frame, x frames
+        hi = cfg.video_max_pixels  # GLM-4.1V's video smart_resize is Qwen3-VL's, formula for formula (no cap)
         if cfg.video_cap_pixels_per_frame:
             per_frame = max(min(cfg.video_max_tokens * cfg.factor ** 2, cfg.video_max_pixels // n_frames),
                             int(cfg.video_min_pixels * 1.05))
@@ -131,6 +131,14 @@ class VideoPlan:
         """Gemma 4: the text before each sampled frame's block, ``mm:ss`` of index / fps, as its processor writes it
         (Gemma4Processor.replace_video_token on the loader's VideoMetadata.timestamps)."""
         return [f"{int(s // 60):02d}:{int(s % 60):02d}" for s in (int(i) / self.header.fps for i in self.indices)]
+
+    def seconds_texts(self) -> list[str]:
+        """GLM-4.1V: the text after each temporal patch's image block, the whole seconds of its first frame
+        (Glm4vProcessor.replace_video_token: ``int`` of VideoMetadata.timestamps[::2], one per temporal patch, the
+        last repeated if short)."""
+        stamps = [int(i) / self.header.fps for i in self.indices][::2][:self.grid[0]]
+        stamps += [stamps[-1] if stamps else 0] * (self.grid[0] - len(stamps))
+        return [str(int(t)) for t in stamps]
 
     def timestamp_texts(self) -> list[str]:
         """Qwen3-VL's text before each temporal patch's vision block: ``<1.5 seconds>``."""

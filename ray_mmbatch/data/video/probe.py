@@ -69,9 +69,15 @@ class VideoHeader:
     rotation: int  # display rotation applied to the frames, degrees counter-clockwise (0, 90, 180, 270)
     pts: np.ndarray | None = field(default=None, compare=False, repr=False)   # int64 [frames]: frame i's pts
     seek: np.ndarray | None = field(default=None, compare=False, repr=False)  # int64 [frames]: where to seek for it
+    # the clip's seconds as the loader's VideoMetadata.duration gives them (torchcodec: the scanned span in its
+    # double arithmetic; pyav: the frames over the header's rational rate); None: frames / fps
+    seconds: float | None = field(default=None, compare=False, repr=False)
 
     @property
     def duration(self) -> float:
+        """HF VideoMetadata.duration (GLM-4.1V's sampler reads it)."""
+        if self.seconds is not None:
+            return self.seconds
         return self.frames / self.fps if self.fps else 0.0
 
 
@@ -276,10 +282,14 @@ def probe_video(data, cfg: ImageConfig) -> VideoHeader:
         container.close()
     pts, seek, dur = table
     frames = len(pts)
+    seconds = float(frames / rate) if rate else None  # HF's PyAV loader: total / the Fraction average_rate
     if frames and cfg.video_loader == "torchcodec" and time_base:
         span = float((int((pts + dur).max()) - int(pts.min())) * time_base)  # torchcodec: frames over the span
         if span > 0:
             rate = frames / span
+        # torchcodec's duration_seconds: pts_to_seconds (double(pts) * num / den) of the span's ends, subtracted
+        num, den = time_base.numerator, time_base.denominator
+        seconds = float(int((pts + dur).max())) * num / den - float(int(pts.min())) * num / den
     if frames <= 0:
         raise VideoSkip(S.SKIP_EMPTY_VIDEO, "zero frames")
     if not rate:
@@ -291,4 +301,4 @@ def probe_video(data, cfg: ImageConfig) -> VideoHeader:
     if rotation % 180:
         width, height = height, width
     return VideoHeader(frames=frames, fps=float(rate), height=height, width=width, rotation=rotation, pts=pts,
-                       seek=seek)
+                       seek=seek, seconds=seconds)

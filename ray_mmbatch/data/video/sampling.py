@@ -1,8 +1,8 @@
 """Video sampling: which frames (decode order) the family's HF video processor takes from a clip.
 
 Formula for formula: Qwen2VLVideoProcessor.sample_frames (torch's float arange emulated), Qwen3VLVideoProcessor's
-np.linspace, BaseVideoProcessor's default (LLaVA-OneVision, Gemma 4). Pure module: numpy only (Gemma 4's token
-bound reads data/image/budget.py's frame size).
+np.linspace, BaseVideoProcessor's default (LLaVA-OneVision, Gemma 4), Glm4vVideoProcessor.sample_frames. Pure
+module: numpy only (Gemma 4's token bound reads data/image/budget.py's frame size).
 """
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def sample_indices(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     total, tps = header.frames, max(1, int(cfg.temporal_patch_size))
     if cfg.video == "qwen3_vl":
         return _sample_qwen3(header, cfg)
+    if cfg.video == "glm4v":
+        return _sample_glm4v(header, cfg)
     if cfg.video in ("llava_onevision", "gemma4"):
         return _sample_default(header, cfg)
     if cfg.video != "qwen2_vl":
@@ -109,3 +111,30 @@ def _sample_qwen3(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
     indices = np.linspace(0, total - 1, num).round().astype(np.int32)
     return np.unique(indices) if cfg.video_loader == "pyav" else indices
 
+
+
+def _sample_glm4v(header: VideoHeader, cfg: ImageConfig) -> np.ndarray:
+    """HF Glm4vVideoProcessor.sample_frames, formula for formula: over a clip of at most video_max_duration seconds
+    (the loader's VideoMetadata.duration), floor(duration x fps) frames (at least 1), frame i at ceil(i x clip fps /
+    fps); a longer clip max_duration x fps frames at np.linspace(0, duration) seconds (every frame if the clip holds
+    no more); repeats dropped in order and the last repeated to an even count. Every frame when it does not
+    sample. GLM's sampler has no frame-count bounds and ignores num_frames (models/glm4v.py refuses them)."""
+    total = header.frames
+    if not cfg.video_sample_frames:
+        return np.arange(total, dtype=np.int32)
+    want = float(cfg.video_fps if cfg.video_fps is not None else 2)
+    last = total - 1
+    duration = header.duration or round(last / header.fps) + 1
+    if duration <= cfg.video_max_duration:
+        n = max(int(math.floor(duration * want)), 1)
+        picked = [min(last, int(math.ceil(i * header.fps / want))) for i in range(n)]
+    else:
+        n = int(cfg.video_max_duration * want)
+        if n >= total:
+            picked = list(range(total))
+        else:
+            picked = [min(last, int(math.ceil(t * header.fps))) for t in np.linspace(0, duration, n, endpoint=True)]
+    unique = list(dict.fromkeys(picked))
+    if len(unique) & 1:
+        unique.append(unique[-1])
+    return np.asarray(unique, dtype=np.int32)
