@@ -14,6 +14,7 @@ What the family modules share: tests/family_harness.py.
 from __future__ import annotations
 
 import copy
+import json
 from functools import partial
 
 import pytest
@@ -180,7 +181,12 @@ def test_configure_takes_the_checkpoint_settings(cfg, ckpt):
     assert (im.min_pixels, im.max_pixels) == (2 * 4 * FACTOR ** 2, 2 * 64 * FACTOR ** 2)
     assert im.image_mean == pytest.approx(CLIP_MEAN) and im.image_std == pytest.approx(CLIP_STD)
     assert (cfg.text.tokenizer, cfg.text.image_token, cfg.text.chat_template) == (str(ckpt), "<|image|>", "auto")
-    assert cfg.text.video_token == "" and not cfg.image.video  # no video for GLM here (models/glm4v.py)
+    vid = cfg.image  # video: the checkpoint's video_preprocessor_config.json (hf_glm4v_checkpoint.VIDEO_PROCESSOR)
+    assert (cfg.text.video_token, vid.video, vid.video_sample_frames, vid.video_fps, vid.video_max_duration) == \
+        ("<|video|>", "glm4v", True, 3.0, 3.0)
+    assert (vid.video_min_pixels, vid.video_max_pixels, vid.video_cap_pixels_per_frame) == \
+        (2 * 4 * FACTOR ** 2, 96 * FACTOR ** 2, False)
+    assert vid.video_mean == pytest.approx(CLIP_MEAN) and vid.video_std == pytest.approx(CLIP_STD)
     again = glm4v.configure(copy.deepcopy(cfg))
     assert again.image == cfg.image and again.text == cfg.text
     fewer = _configure(ckpt, **{"image.max_pixels": 2 * 16 * FACTOR ** 2})  # the resolution bound: the user's choice
@@ -213,15 +219,31 @@ def test_configure_refuses_what_the_data_path_cannot_reproduce(ckpt, tmp_path, p
     h.assert_refuses(glm4v, h.variant(ckpt, tmp_path, pre=pre, vision=vision), match)
 
 
-def test_a_sample_with_video_stops_the_run_naming_the_video_families(cfg, tok):
-    """No video for GLM here: a sample with a clip is refused as for an image-only family (data/measure.py)."""
-    from ray_mmbatch.data.measure import VideoRefused, measure_batch
-    from ray_mmbatch.synthetic.video import clip_frames, encode_clip
-
-    raw = h.raw_rows(["v"], [[{"from": "human", "value": "<video>\nWhat happens?"},
-                              {"from": "gpt", "value": "Nothing."}]], [[encode_clip(clip_frames(4, 32, 32), fps=4)]])
-    with pytest.raises(VideoRefused, match="takes no video.*qwen2_vl"):
-        measure_batch(raw, cfg.image, tok, cfg.text)
+def test_configure_takes_hfs_video_defaults_and_refuses_the_bounds_glms_sampler_lacks(ckpt, tmp_path):
+    """Without a video processor file HF's Glm4vVideoProcessor takes the image processor's preprocessor_config.json
+    (its ``size`` the whole clip's bounds) over its class defaults (2 fps, max_duration 300 s); --video-fps and
+    --video-max-pixels are the user's; GLM's sampler has no frame-count or token bounds, so the flags that set them
+    are refused, as are a video processor of another class and a patch size the tower does not have."""
+    for name in ("bare", "other", "patch", "size"):
+        (tmp_path / name).mkdir()
+    bare = h.variant(ckpt, tmp_path / "bare")
+    (bare / "video_preprocessor_config.json").unlink()
+    im = _configure(bare).image
+    assert (im.video, im.video_fps, im.video_max_duration, im.video_sample_frames) == ("glm4v", 2.0, 300.0, True)
+    assert (im.video_min_pixels, im.video_max_pixels) == (2 * 4 * FACTOR ** 2, 2 * 64 * FACTOR ** 2)
+    mine = _configure(ckpt, **{"image.video_fps": 1.0, "image.video_max_pixels": 48 * FACTOR ** 2}).image
+    assert (mine.video_fps, mine.video_max_pixels) == (1.0, 48 * FACTOR ** 2)
+    for key in ("image.video_max_frames", "image.video_min_frames", "image.video_max_tokens"):
+        with pytest.raises(ValueError, match="has no such bound"):
+            _configure(ckpt, **{key: 8})
+    for name, change, match in (("other", {"video_processor_type": "Qwen2VLVideoProcessor"}, "Glm4vVideoProcessor"),
+                                ("patch", {"patch_size": 16}, "patch_size=16 disagrees"),
+                                ("size", {"size": {"longest_edge": 1000}}, "no shortest_edge and longest_edge")):
+        d = h.variant(ckpt, tmp_path / name)
+        video = json.loads((d / "video_preprocessor_config.json").read_text())
+        (d / "video_preprocessor_config.json").write_text(json.dumps({**video, **change}))
+        with pytest.raises(ValueError, match=match):
+            _configure(d)
 
 
 def test_glm_4_1v_thinkings_template_is_refused_naming_why(ckpt, tmp_path):

@@ -23,9 +23,9 @@ A clip with fewer frames than temporal_patch_size makes Qwen2-VL's fps sampler d
 taken whole, as the project does, docs/data.md; ``<name>/hf_failed`` = "sampler") and Qwen3-VL's resize
 raise (``hf_failed`` = "processor: ...", no pixels). Qwen3-VL clips also get ``<name>/text``: the
 processor's timestamped video text (Qwen3VLProcessor.replace_video_token); Gemma 4 clips ``<name>/text``
-(Gemma4Processor.replace_video_token), GLM-4.1V clips ``<name>/text`` (the template's
-``<|begin_of_video|>`` ... ``<|end_of_video|>`` with Glm4vProcessor.replace_video_token's frames), ``<name>/tokens`` (soft tokens a frame) and ``<name>/positions``
-(video_position_ids), their pixels [frames, max_patches, ps * ps * 3].
+(Gemma4Processor.replace_video_token), ``<name>/tokens`` (soft tokens a frame) and ``<name>/positions``
+(video_position_ids), their pixels [frames, max_patches, ps * ps * 3]; GLM-4.1V clips ``<name>/text`` (the
+template's ``<|begin_of_video|>`` ... ``<|end_of_video|>`` around Glm4vProcessor.replace_video_token's frames).
 Written to OUT: ``<name>/indices``, ``<name>/grid``, ``<name>/pixels`` (float32), ``<name>/second_per_grid``,
 ``<name>/total`` and ``<name>/fps`` (the loader's VideoMetadata).
 
