@@ -54,6 +54,8 @@ CONVERSATION = [  # as data gives it (LLaVA style)
 ANSWERS = [t["value"] for t in CONVERSATION if t["from"] == "gpt"]
 # the same conversation with a clip in place of the second picture (families whose template renders video)
 VIDEO_CONVERSATION = [dict(t, value=t["value"].replace("with <image>", "with <video>")) for t in CONVERSATION]
+# and without the first picture: GLM-4.1V trains no sample with both an image and a video (models/glm4v.py)
+CLIP_ONLY_CONVERSATION = [dict(t, value=t["value"].replace("<image>\n", "")) for t in VIDEO_CONVERSATION]
 
 
 def video_clip() -> bytes:
@@ -67,16 +69,18 @@ def _text(t: str) -> dict:
     return {"type": "text", "text": t}
 
 
-def messages(images: list | None = None, video: bool = False) -> list[dict]:
+def messages(images: list | None = None, video: bool = False, clip_only: bool = False) -> list[dict]:
     """The same conversation as the chat template's messages (``images``: PIL images put into the image parts,
-    as processor.apply_chat_template loads them; ``video``: VIDEO_CONVERSATION's, a video part second)."""
+    as processor.apply_chat_template loads them; ``video``: VIDEO_CONVERSATION's, a video part second;
+    ``clip_only``: CLIP_ONLY_CONVERSATION's, no picture first)."""
     pics = iter(images or [])
 
     def image() -> dict:
         return {"type": "image", "image": next(pics)} if images else {"type": "image"}
 
+    first = [] if clip_only else [image()]
     return [{"role": "system", "content": [_text("Answer briefly.")]},
-            {"role": "user", "content": [image(), _text("What is in the first picture?")]},
+            {"role": "user", "content": [*first, _text("What is in the first picture?")]},
             {"role": "assistant", "content": [_text(ANSWERS[0])]},
             {"role": "user", "content": [_text("Compare it with "), {"type": "video"} if video else image(),
                                          _text(" please.")]},
@@ -99,18 +103,18 @@ def pil_images() -> list[Image.Image]:
 
 
 # ------------------------------------------------------------------ the project's side (the code under test)
-def project_sample(path, video: bool = False) -> tuple[np.ndarray, np.ndarray]:
+def project_sample(path, video: bool = False, clip_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(input_ids, labels) of the sample as the data path gives them to the model: the checkpoint's config
     (hf.config_from_checkpoint) -> measure_batch -> materialize_sample (image tokens expanded, labels shifted);
-    ``video``: VIDEO_CONVERSATION with video_clip() second."""
+    ``video``: VIDEO_CONVERSATION with video_clip() second; ``clip_only``: CLIP_ONLY_CONVERSATION, the clip alone."""
     from ray_mmbatch import hf
     from ray_mmbatch.data.materialize import materialize_sample
     from ray_mmbatch.data.measure import measure_batch
     from ray_mmbatch.data.text.encoder import tokenizer_for
 
     cfg = hf.config_from_checkpoint(str(path))
-    pics = png_images()[:1] + [video_clip()] if video else png_images()
-    conversation = VIDEO_CONVERSATION if video else CONVERSATION
+    pics = [video_clip()] if clip_only else png_images()[:1] + [video_clip()] if video else png_images()
+    conversation = CLIP_ONLY_CONVERSATION if clip_only else VIDEO_CONVERSATION if video else CONVERSATION
     raw = {S.SAMPLE_ID: ["s"], S.CONVERSATIONS: [json.dumps(conversation)], S.IMAGES: [pics],
            S.IMAGE_REFS: [[f"{j}.png" for j in range(len(pics))]], S.READ_ERROR: [""]}
     measured = measure_batch(raw, cfg.image, tokenizer_for(cfg.text), cfg.text)
@@ -223,8 +227,8 @@ def derive_turns(processor, msgs: list[dict], images: list, videos: list | None 
     of the clips of the messages' video parts (HF's video processor reads and samples them itself)."""
     tok = processor.tokenizer
     full = tok.apply_chat_template(msgs, tokenize=False)
-    out = processor(text=full, images=[images], add_special_tokens=False, return_text_replacement_offsets=True,
-                    **({"videos": videos} if videos else {}))
+    out = processor(text=full, images=[images] if images else None, add_special_tokens=False,
+                    return_text_replacement_offsets=True, **({"videos": videos} if videos else {}))
     ids = list(out["input_ids"][0])
     blocks = {kind: [r["replacement"] for r in out["text_replacement_offsets"][0] if r["type"] == kind]
               for kind in ("image", "video")}
@@ -314,16 +318,25 @@ def with_generation_blocks(template: str, family: str, through_newline: bool = F
     return template.replace(end, close + end)
 
 
-def main(checkpoint: str, clip: str, out: str) -> None:
-    """The reference interpreter's half of test_targets' video case (HF's Gemma 4 video processor needs
-    torchvision): the turns of messages(video=True) as Gemma4Processor, with the checkpoint's own video processor,
-    gives them for the first picture and the clip at ``clip``, written to ``out`` as JSON."""
+def main(checkpoint: str, clip: str, out: str, family: str = "gemma4") -> None:
+    """The reference interpreter's half of test_targets' video cases (HF's video processors need torchvision): the
+    turns of messages(video=True) as the family's processor, with the checkpoint's own video processor, gives them
+    for the first picture and the clip at ``clip`` (GLM-4.1V, ``family`` glm4v: Glm4vProcessor on the clip alone,
+    messages(clip_only=True)), written to ``out`` as JSON."""
     from transformers import AutoVideoProcessor
 
-    from tests.hf_gemma4_checkpoint import gemma4_processor
+    videos = AutoVideoProcessor.from_pretrained(checkpoint)
+    if family == "glm4v":
+        from transformers import AutoImageProcessor, AutoTokenizer, Glm4vProcessor
 
-    processor = gemma4_processor(checkpoint, AutoVideoProcessor.from_pretrained(checkpoint))
-    derived = derive_turns(processor, messages(video=True), pil_images()[:1], [clip])
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        processor = Glm4vProcessor(image_processor=AutoImageProcessor.from_pretrained(checkpoint), tokenizer=tok,
+                                   video_processor=videos, chat_template=tok.chat_template)
+        derived = derive_turns(processor, messages(video=True, clip_only=True), [], [clip])
+    else:
+        from tests.hf_gemma4_checkpoint import gemma4_processor
+
+        derived = derive_turns(gemma4_processor(checkpoint, videos), messages(video=True), pil_images()[:1], [clip])
     Path(out).write_text(json.dumps({"ids": [int(i) for i in derived.ids],
                                      "turns": [[t.start, t.ids, t.tail] for t in derived.turns]}))
 
@@ -334,4 +347,4 @@ if __name__ == "__main__":
     from tests.video_reference import _with_pyav_ffmpeg
 
     _with_pyav_ffmpeg()  # torchcodec, HF's loader for a path, on PyAV's FFmpeg
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

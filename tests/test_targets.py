@@ -320,11 +320,9 @@ def test_the_check_fails_on_wrong_targets(built, family, control):
         R.check_targets(b.ids, labels, b.derived)
 
 
-def test_gemma4_trained_tokens_with_a_video_are_the_assistant_turns(built, tmp_path):
-    """Gemma 4 with a clip in the second question (the tiny checkpoint's template renders ``<|video|>`` for a video
-    part, as the published one does): the sample's ids are HF's Gemma4Processor's with its own video processor
-    reading the clip (each sampled frame's ``mm:ss`` and soft-token block, run in the reference interpreter:
-    torchvision), and the trained tokens exactly the assistant turns derived from them."""
+def _reference_turns(b, tmp_path, family: str) -> R.Derived:
+    """tests/targets_reference.py's video case for ``family`` in the reference interpreter (HF's video processors
+    need torchvision): the derived turns of the conversation with R.video_clip() as HF's processor gives them."""
     import os
     import subprocess
     from pathlib import Path
@@ -335,20 +333,48 @@ def test_gemma4_trained_tokens_with_a_video_are_the_assistant_turns(built, tmp_p
         if os.environ.get("RAY_MMBATCH_REQUIRE_REFERENCE") == "1":
             pytest.fail(f"the reference interpreter {python} is missing: run scripts/setup.sh --reference")
         pytest.skip(f"no reference interpreter at {python} (scripts/setup.sh --reference makes it)")
-    b = built("gemma4")
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(R.video_clip())
     done = subprocess.run([python, str(root / "tests" / "targets_reference.py"), str(b.ckpt), str(clip),
-                           str(tmp_path / "derived.json")], capture_output=True, text=True, timeout=600,
+                           str(tmp_path / "derived.json"), family], capture_output=True, text=True, timeout=600,
                           cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads((tmp_path / "derived.json").read_text())
-    derived = R.Derived(got["ids"], [R.Turn(*t) for t in got["turns"]])
+    return R.Derived(got["ids"], [R.Turn(*t) for t in got["turns"]])
+
+
+def test_gemma4_trained_tokens_with_a_video_are_the_assistant_turns(built, tmp_path):
+    """Gemma 4 with a clip in the second question (the tiny checkpoint's template renders ``<|video|>`` for a video
+    part, as the published one does): the sample's ids are HF's Gemma4Processor's with its own video processor
+    reading the clip (each sampled frame's ``mm:ss`` and soft-token block, run in the reference interpreter:
+    torchvision), and the trained tokens exactly the assistant turns derived from them."""
+    b = built("gemma4")
+    derived = _reference_turns(b, tmp_path, "gemma4")
     ids, labels = R.project_sample(b.ckpt, video=True)
     video_id = b.processor.tokenizer.convert_tokens_to_ids("<|video|>")
     assert int((np.asarray(derived.ids) == video_id).sum()) > 4 * 10  # 4 frames of many soft tokens
     R.check_targets(ids, labels, derived)
     assert [_decode(b, t.ids) for t in derived.turns] == [a + "<turn|>" for a in R.ANSWERS]
+    labels[derived.turns[1].start - 2] = ids[derived.turns[1].start - 1]  # the control: one user token more
+    with pytest.raises(AssertionError, match="trained but not an assistant turn"):
+        R.check_targets(ids, labels, derived)
+
+
+def test_glm4v_trained_tokens_with_a_clip_are_the_assistant_turns(built, tmp_path):
+    """GLM-4.5V's template with a clip in a user turn (alone: GLM trains no sample with both an image and a clip):
+    the sample's ids are HF's Glm4vProcessor's with the checkpoint's own video processor reading the clip (an image
+    block of <|image|> tokens and its second per temporal patch; the data path writes <|video|> in the frames, the
+    adapter gives the model <|image|> there: compared as the model sees them), and the trained tokens exactly the
+    assistant turns derived from them."""
+    b = built("glm4v")
+    derived = _reference_turns(b, tmp_path, "glm4v")
+    ids, labels = R.project_sample(b.ckpt, clip_only=True)
+    tok = b.processor.tokenizer
+    video_id, image_id = (tok.convert_tokens_to_ids(t) for t in ("<|video|>", "<|image|>"))
+    assert int((ids == video_id).sum()) == 3 * 4 and not (ids == image_id).any()  # 6 frames at 3 fps: 3 x 2 x 2
+    ids = np.where(ids == video_id, image_id, ids)
+    R.check_targets(ids, labels, derived)
+    assert [_decode(b, t.ids) for t in derived.turns] == ["\n<think></think>\n" + a for a in R.ANSWERS]
     labels[derived.turns[1].start - 2] = ids[derived.turns[1].start - 1]  # the control: one user token more
     with pytest.raises(AssertionError, match="trained but not an assistant turn"):
         R.check_targets(ids, labels, derived)
