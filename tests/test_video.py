@@ -160,15 +160,19 @@ def _checkpoint(tmp_path_factory, model_type: str) -> Path:
 
 @pytest.fixture(scope="module", params=("qwen2_vl", "qwen2_5_vl", "qwen3_vl"))
 def family(request, tmp_path_factory):
-    path = _checkpoint(tmp_path_factory, request.param)
-    backend = _backend(request.param)[0]
+    return _built(_backend(request.param)[0], _checkpoint(tmp_path_factory, request.param), request.param,
+                  qwen3=request.param in AS_QWEN3_VL)
+
+
+def _built(backend, path: Path, name: str, **extra) -> SimpleNamespace:
+    """The configured checkpoint at ``path`` and its model (seed 0, eval), with its tokenizer, token ids and the
+    family's TOLERANCE[name]; ``extra``: more fields."""
     cfg = harness_configure(backend, path)
     tok = load_tokenizer(cfg.text.tokenizer)
     ids = token_ids(cfg, tok)
     torch.manual_seed(0)
     model = backend.create_model(cfg, ids).eval()
-    return SimpleNamespace(name=request.param, path=path, cfg=cfg, tok=tok, ids=ids, model=model,
-                           tol=TOLERANCE[request.param], qwen3=request.param in AS_QWEN3_VL)
+    return SimpleNamespace(name=name, path=path, cfg=cfg, tok=tok, ids=ids, model=model, tol=TOLERANCE[name], **extra)
 
 
 def _reference_python() -> str | None:
@@ -555,6 +559,11 @@ def _samples(family, clips) -> tuple[list[dict], dict]:
         "image": ("<image>\nWhat is it?", "Stripes.", [png(image(50, 70, 4))]),
         "rotated": ("<image>\nDescribe it.", "A portrait clip.", [clips.data["rotated"]]),  # <image> for a video
     }
+    return _measured_samples(family, convs)
+
+
+def _measured_samples(family, convs: dict) -> tuple[list[dict], dict]:
+    """{sample id: (question, answer, media)} -> (the materialized samples, the measured columns); none skipped."""
     raw = {S.SAMPLE_ID: list(convs),
            S.CONVERSATIONS: [json.dumps([{"from": "human", "value": u}, {"from": "gpt", "value": a}])
                              for u, a, _ in convs.values()],
@@ -884,13 +893,7 @@ def onevision(tmp_path_factory):
 
     path = make_llava_onevision_checkpoint(tmp_path_factory.mktemp("onevision"))
     (path / "video_preprocessor_config.json").write_text(json.dumps(ONEVISION_VIDEO))
-    cfg = harness_configure(ov, path)
-    tok = load_tokenizer(cfg.text.tokenizer)
-    ids = token_ids(cfg, tok)
-    torch.manual_seed(0)
-    model = ov.create_model(cfg, ids).eval()
-    return SimpleNamespace(name="llava_onevision", path=path, cfg=cfg, tok=tok, ids=ids, model=model,
-                           tol=TOLERANCE["llava_onevision"])
+    return _built(ov, path, "llava_onevision")
 
 
 def _hf_frames(ref: dict, name: str, data: bytes, cfg, asked: int):
@@ -1114,13 +1117,7 @@ def gemma4_video(tmp_path_factory):
     from ray_mmbatch.models import gemma4
     from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
 
-    path = make_gemma4_checkpoint(tmp_path_factory.mktemp("gemma4"))
-    cfg = harness_configure(gemma4, path)
-    tok = load_tokenizer(cfg.text.tokenizer)
-    ids = token_ids(cfg, tok)
-    torch.manual_seed(0)
-    model = gemma4.create_model(cfg, ids).eval()
-    return SimpleNamespace(name="gemma4", path=path, cfg=cfg, tok=tok, ids=ids, model=model, tol=TOLERANCE["gemma4"])
+    return _built(gemma4, make_gemma4_checkpoint(tmp_path_factory.mktemp("gemma4")), "gemma4")
 
 
 def _gemma4_video_text(fam, data: bytes) -> list[int]:
@@ -1318,14 +1315,9 @@ def glm_video(request, tmp_path_factory):
     from ray_mmbatch.models import glm4v
     from tests.hf_glm4v_checkpoint import make_glm4v_checkpoint
 
-    path = make_glm4v_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-    cfg = harness_configure(glm4v, path)
-    tok = load_tokenizer(cfg.text.tokenizer)
-    ids = token_ids(cfg, tok)
-    torch.manual_seed(0)
-    model = glm4v.create_model(cfg, ids).eval()
-    return SimpleNamespace(name=request.param, path=path, cfg=cfg, tok=tok, ids=ids, model=model,
-                           tol=TOLERANCE[request.param], video_id=tok.convert_tokens_to_ids("<|video|>"))
+    fam = _built(glm4v, make_glm4v_checkpoint(tmp_path_factory.mktemp(request.param), request.param), request.param)
+    fam.video_id = fam.tok.convert_tokens_to_ids("<|video|>")
+    return fam
 
 
 def _glm_as_hf(fam, ids: np.ndarray) -> list[int]:
@@ -1373,16 +1365,9 @@ def _glm_samples(fam, clips) -> tuple[list[dict], dict]:
         "rotated": ("<image>\nDescribe it.", "A portrait clip.", [clips.data["rotated"]]),  # <image> for a video
         "two_images": ("<image> or <image>?", "The first.", [png(image(40, 60, 5)), png(image(90, 30, 6))]),
     }
-    raw = {S.SAMPLE_ID: list(convs),
-           S.CONVERSATIONS: [json.dumps([{"from": "human", "value": u}, {"from": "gpt", "value": a}])
-                             for u, a, _ in convs.values()],
-           S.IMAGES: [m for *_, m in convs.values()], S.IMAGE_REFS: [[""] * len(m) for *_, m in convs.values()],
-           S.READ_ERROR: [""] * len(convs)}
-    measured = measure_batch(raw, fam.cfg.image, fam.tok, fam.cfg.text)
-    assert not any(measured[S.SKIP_REASON]), list(measured[S.SKIP_REASON])
+    samples, measured = _measured_samples(fam, convs)
     assert list(measured[S.N_VIDEOS]) == [1, 0, 0, 1, 1, 0] and list(measured[S.N_IMAGES]) == [0, 1, 0, 0, 0, 2]
-    rows = [{c: measured[c][i] for c in measured} for i in range(len(convs))]
-    return [materialize_sample(r, fam.cfg.image) for r in rows], measured
+    return samples, measured
 
 
 def _glm_alone_ce(fam, s: dict) -> torch.Tensor:
