@@ -1396,19 +1396,22 @@ def _glm_alone_ce(fam, s: dict) -> torch.Tensor:
 
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_glm4v_batch_of_clips_and_images_equals_each_sample_alone_through_hf(glm_video, clips, mode):
-    """Clips, images (one and two a sample), text and a rotated clip in one packed or padded batch: each sample's CE
-    equals it alone through HF's own GLM forward within the family's tolerance -- though HF's forward refuses images
-    and clips in one call, the adapter placing the features itself. Controls (pack): the naive packed feed (1-D
+    """Clips, images (one and two a sample), text and a rotated clip in one packed or padded batch: each sample's CE,
+    and the gradient of their sum in every weight (the vision tower's through both feature paths), equal it alone
+    through HF's own GLM forward within the family's tolerance -- though HF's forward refuses images and clips in
+    one call, the adapter placing the features itself. Controls (pack): the naive packed feed (1-D
     positions restarting per sample, no 3-D ids) is off by more than 0.1 nats, and HF's own forward given the row's
     images and clips as pixel_values / pixel_values_videos refuses it."""
+    from tests.family_harness import check_exact, grads
+
     fam = glm_video
     samples, measured = _glm_samples(fam, clips)
     batch = batch_to_torch((collate_pack if mode == "pack" else collate_pad)(samples, fam.ids["pad_id"]), "cpu")
-    with torch.no_grad():
-        ours = fam.model.target_ce(batch)
-        want = torch.cat([_glm_alone_ce(fam, s) for s in samples])
-    assert ours.shape == want.shape
-    assert float((ours - want).abs().max()) <= fam.tol.ce, float((ours - want).abs().max())
+    fam.model.zero_grad(set_to_none=True)
+    alone = [_glm_alone_ce(fam, s) for s in samples]
+    torch.stack([ce.sum() for ce in alone]).sum().backward()
+    want = torch.cat(alone).detach()
+    check_exact(fam.model, batch, (want, grads(fam.model)), mode, fam.tol)  # the CE and every weight's gradient
     if mode != "pack":
         return
     with torch.no_grad():
