@@ -1356,6 +1356,40 @@ def test_glm4v_header_cost_text_and_pixels_equal_its_video_processor(clips, glm_
     assert long_clips >= 2  # the linspace branch ran
 
 
+def test_glm4v_every_frame_without_sampling_equals_its_video_processor(clips, glm_video, tmp_path):
+    """do_sample_frames false (--video-sample-frames false): every frame, an odd count's last repeated into its
+    temporal patch, the seconds of every other frame -- frames, grid, text and pixels HF's; a 1-frame clip, which
+    HF's resize refuses (fewer frames than temporal_patch_size), is taken as one temporal patch (docs/data.md)."""
+    from ray_mmbatch.data.measure import glm4v_frame_blocks
+    from ray_mmbatch.data.video import video_patches
+    from ray_mmbatch.models import glm4v
+    from tests.family_harness import variant
+
+    fam = glm_video
+    d = variant(fam.path, tmp_path)
+    video = json.loads((d / "video_preprocessor_config.json").read_text())
+    (d / "video_preprocessor_config.json").write_text(json.dumps(dict(video, do_sample_frames=False)))
+    cfg = harness_configure(glm4v, d).image
+    assert cfg.video_sample_frames is False
+    names = ("h264_bframes", "mpeg4_25fps", "rotated", "one_frame")
+    ref = _run_reference(d, {n: clips.paths[n] for n in names}, tmp_path)
+    for name in names:
+        plan = plan_video(clips.data[name], cfg)
+        assert plan.indices.tolist() == list(range(probe_video(clips.data[name], cfg).frames)), name
+        if name == "one_frame":
+            assert "must be larger than temporal_factor" in str(ref[f"{name}/hf_failed"])
+            assert plan.grid[0] == 1
+            continue
+        assert plan.indices.tolist() == ref[f"{name}/indices"].tolist() and [list(plan.grid)] == \
+            ref[f"{name}/grid"].tolist(), name
+        text = glm4v_frame_blocks(fam.tok, fam.video_id)(plan)
+        ids = np.repeat(text, np.where(text == fam.video_id, plan.tokens // plan.grid[0], 1))
+        assert _glm_as_hf(fam, ids) == fam.tok(str(ref[f"{name}/text"]), add_special_tokens=False).input_ids, name
+        pixels = normalize_video_patches(torch.from_numpy(video_patches(clips.data[name], plan, cfg)),
+                                         cfg.video_mean, cfg.video_std).numpy()
+        assert np.array_equal(pixels, ref[f"{name}/pixels"]), name
+
+
 def _glm_samples(fam, clips) -> tuple[list[dict], dict]:
     convs = {
         "clip": ("<video>\nWhat happens in the clip?", "A square moves to the right.", [clips.data["h264_bframes"]]),
