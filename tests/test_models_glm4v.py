@@ -222,8 +222,9 @@ def test_configure_refuses_what_the_data_path_cannot_reproduce(ckpt, tmp_path, p
 def test_configure_takes_hfs_video_defaults_and_refuses_the_bounds_glms_sampler_lacks(ckpt, tmp_path):
     """Without a video processor file HF's Glm4vVideoProcessor takes the image processor's preprocessor_config.json
     (its ``size`` the whole clip's bounds) over its class defaults (2 fps, max_duration 300 s); --video-fps and
-    --video-max-pixels are the user's; GLM's sampler has no frame-count or token bounds, so the flags that set them
-    are refused, as are a video processor of another class and a patch size the tower does not have."""
+    --video-max-pixels are the user's; GLM's sampler has no frame-count or token bounds and reads no num_frames, so
+    the settings for them are refused, as are a video processor of another class and a patch size the tower does not
+    have."""
     for name in ("bare", "other", "patch", "size"):
         (tmp_path / name).mkdir()
     bare = h.variant(ckpt, tmp_path / "bare")
@@ -233,8 +234,8 @@ def test_configure_takes_hfs_video_defaults_and_refuses_the_bounds_glms_sampler_
     assert (im.video_min_pixels, im.video_max_pixels) == (2 * 4 * FACTOR ** 2, 2 * 64 * FACTOR ** 2)
     mine = _configure(ckpt, **{"image.video_fps": 1.0, "image.video_max_pixels": 48 * FACTOR ** 2}).image
     assert (mine.video_fps, mine.video_max_pixels) == (1.0, 48 * FACTOR ** 2)
-    for key in ("image.video_max_frames", "image.video_min_frames", "image.video_max_tokens"):
-        with pytest.raises(ValueError, match="has no such bound"):
+    for key in ("image.video_max_frames", "image.video_min_frames", "image.video_max_tokens", "image.video_num_frames"):
+        with pytest.raises(ValueError, match="has no such setting"):
             _configure(ckpt, **{key: 8})
     for name, change, match in (("other", {"video_processor_type": "Qwen2VLVideoProcessor"}, "Glm4vVideoProcessor"),
                                 ("patch", {"patch_size": 16}, "patch_size=16 disagrees"),

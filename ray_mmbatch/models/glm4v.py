@@ -105,14 +105,16 @@ _VIDEO_DEFAULTS = {"do_sample_frames": True, "fps": 2.0, "num_frames": None, "ma
                    "size": {"shortest_edge": 112 * 112, "longest_edge": 28 * 28 * 2 * 30000},
                    "image_mean": (0.48145466, 0.4578275, 0.40821073),
                    "image_std": (0.26862954, 0.26130258, 0.27577711)}
-_NO_BOUND = ("video_min_frames", "video_max_frames", "video_max_tokens")  # GLM's sampler has none of them
+# GLM's sampler reads none of them (HF's num_frames, min / max frames, a token cap)
+_NOT_READ = ("video_num_frames", "video_min_frames", "video_max_frames", "video_max_tokens")
 
 
 def _configure_video(cfg, path: str) -> None:
     """image.video* and text.video_token from the checkpoint's video processor (HF Glm4vVideoProcessor: fps 2 over
     the clip, max_duration 300 s, bounds ``size`` over the whole clip's pixels). --video-fps, --video-sample-frames,
     --video-max-pixels are the user's; GLM's sampler has no frame-count or token bounds and ignores num_frames, so
-    --video-min-frames / --video-max-frames / --video-max-tokens are refused rather than ignored."""
+    --video-min-frames / --video-max-frames / --video-max-tokens / image.video_num_frames are refused rather than
+    ignored."""
     from ray_mmbatch.data.text.tokenizer import load_tokenizer
     from ray_mmbatch.models.hf_common import (
         UNBOUNDED,
@@ -131,10 +133,10 @@ def _configure_video(cfg, path: str) -> None:
     if kind != "Glm4vVideoProcessor":
         raise ValueError(f"{where}: video_processor_type {kind!r}; the glm4v backend reproduces Glm4vVideoProcessor")
     video = {k: v for k, v in video.items() if k != "num_frames"}  # GLM's sample_frames never reads it
-    for key in _NO_BOUND:
+    for key in _NOT_READ:
         if user_set(cfg, f"image.{key}") and getattr(cfg.image, key) not in (1, UNBOUNDED):
             raise ValueError(f"image.{key} = {getattr(cfg.image, key)} is set, but GLM-4.1V's video sampler (HF "
-                             "Glm4vVideoProcessor) has no such bound and it would not be honoured; bound a clip's "
+                             "Glm4vVideoProcessor) has no such setting and it would not be honoured; bound a clip's "
                              "cost with --video-fps and --video-max-pixels (the whole clip's pixels)")
     get = {k: video.get(k, d) for k, d in _VIDEO_DEFAULTS.items()}
     size = get["size"] or {}
