@@ -9,7 +9,8 @@ image_grid_thw, mm_token_type_ids, attention_mask=ones)`` -> logits -> shifted C
 rows -> measure_batch -> materialize_sample -> collate_pack / collate_pad -> HFModel.target_ce. The tiny random
 checkpoints (tests/hf_glm4v_checkpoint.py; initializer_range 0.2) make a wrong mask or wrong 3-D positions move the
 loss far beyond the tolerance (family_harness.TOLERANCE). Each test runs on the dense and the MoE checkpoint.
-What the family modules share: tests/family_harness.py.
+What the family modules share: tests/family_harness.py. Video (HF's video processor in the torchvision interpreter):
+tests/test_video.py's GLM tests.
 """
 from __future__ import annotations
 

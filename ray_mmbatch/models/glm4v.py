@@ -53,8 +53,9 @@ would each kind alone: a packed or padded batch can hold clips beside other samp
 with both an image and a video has no HF forward to be exact against: it is skipped (unsupported_modality,
 data/measure.py).
 
-Cost: Qwen-VL's adapter's (one ``get_rope_index`` per packed sample with images); ``configure`` reads two JSON
-files and the tokenizer. Importing this module imports no torch.
+Cost: Qwen-VL's adapter's (one ``get_rope_index`` per packed sample with images or clips); a batch with clips
+also one [tokens, hidden] buffer of its image and frame features; ``configure`` reads three JSON files and the
+tokenizer. Importing this module imports no torch.
 """
 from __future__ import annotations
 
