@@ -129,14 +129,21 @@ def _vm(field: str) -> float:
 
 
 # ------------------------------------------------------------------ models
+def tests_on_path() -> None:
+    """The tiny checkpoints are built by the tests' makers (tests/hf_*checkpoint.py): the repo root on sys.path."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
 def tiny_qwen_checkpoint(directory: str, seed: int = 0) -> str:
     """A random Qwen2-VL checkpoint dir (module header): the test builder's tokenizer, chat template
     and image processor (pixel bounds = the built-in default's), then config + weights widened."""
-    import sys
-
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_checkpoints import make_qwen_checkpoint
 
     image = Config().image
@@ -155,9 +162,7 @@ def tiny_qwen_checkpoint(directory: str, seed: int = 0) -> str:
 
 def tiny_internvl_checkpoint(directory: str, seed: int = 0) -> str:
     """A random InternVL checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_internvl_checkpoint import make_internvl_checkpoint
 
     make_internvl_checkpoint(directory, initializer_range=0.02, seed=seed, tile=224, max_patches=6,
@@ -168,9 +173,7 @@ def tiny_internvl_checkpoint(directory: str, seed: int = 0) -> str:
 
 def tiny_gemma3_checkpoint(directory: str, seed: int = 0) -> str:
     """A random Gemma 3 checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_gemma3_checkpoint import make_gemma3_checkpoint
 
     text = {**TINY_TEXT, "head_dim": 64, "query_pre_attn_scalar": 64, "sliding_window": 512,
@@ -183,9 +186,7 @@ def tiny_gemma3_checkpoint(directory: str, seed: int = 0) -> str:
 
 def tiny_llava_onevision_checkpoint(directory: str, seed: int = 0) -> str:
     """A random LLaVA-OneVision checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_llava_onevision_checkpoint import make_llava_onevision_checkpoint
 
     make_llava_onevision_checkpoint(directory, initializer_range=0.02, seed=seed, tile=112, anyres_max=4, grid_most=3,
@@ -203,9 +204,7 @@ TINY_SMOLVLM = "smolvlm-tiny"
 
 def tiny_smolvlm_checkpoint(directory: str, seed: int = 0) -> str:
     """A random SmolVLM checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_idefics3_checkpoint import make_idefics3_checkpoint
 
     make_idefics3_checkpoint(directory, "smolvlm", initializer_range=0.02, seed=seed, side=128, patch=16, tiles=4,
@@ -222,9 +221,7 @@ TINY_QWEN3_5 = "qwen3_5-tiny"
 
 def tiny_qwen3_5_checkpoint(directory: str, seed: int = 0) -> str:
     """A random Qwen3.5 checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_checkpoints import make_qwen3_5_checkpoint
 
     image = Config().image
@@ -244,9 +241,7 @@ TINY_QWEN3_VL_MOE = "qwen3_vl_moe-tiny"
 
 def tiny_qwen3_vl_moe_checkpoint(directory: str, seed: int = 0) -> str:
     """A random Qwen3-VL-MoE checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_checkpoints import make_qwen_checkpoint
 
     image = Config().image
@@ -266,9 +261,7 @@ TINY_GEMMA4 = "gemma4-tiny"
 
 def tiny_gemma4_checkpoint(directory: str, seed: int = 0) -> str:
     """A random Gemma 4 checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_gemma4_checkpoint import make_gemma4_checkpoint
 
     text = {**TINY_TEXT, "head_dim": 64, "global_head_dim": 64, "sliding_window": 512, "num_kv_shared_layers": 0,
@@ -289,9 +282,7 @@ TINY_MISTRAL3 = "mistral3-tiny"
 
 def tiny_mistral3_checkpoint(directory: str, seed: int = 0) -> str:
     """A random Mistral 3 checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_mistral3_checkpoint import make_mistral3_checkpoint
 
     make_mistral3_checkpoint(directory, initializer_range=0.02, seed=seed, text_override={**TINY_TEXT, "head_dim": 64},
@@ -306,9 +297,7 @@ TINY_GLM4V = "glm4v-tiny"
 
 def tiny_glm4v_checkpoint(directory: str, seed: int = 0) -> str:
     """A random GLM-4.1V checkpoint dir (module header), built by the test builder at the benchmark's width."""
-    import sys
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root: tests/
+    tests_on_path()
     from tests.hf_glm4v_checkpoint import make_glm4v_checkpoint
 
     image = Config().image  # GLM counts a still image's area over its 2 frames: twice the per-frame bounds
