@@ -208,23 +208,10 @@ class Gemma3Adapter:
 
 
 def _mask_api() -> tuple:
-    """The transformers mask builders the packed masks use (those of 5.25; an older release may lack them)."""
-    import transformers
+    """The transformers mask builders the packed masks use (hf_common.packed_mask_api)."""
+    from ray_mmbatch.models.hf_common import packed_mask_api
 
-    try:
-        from transformers.masking_utils import (
-            and_masks,
-            blockwise_overlay,
-            create_causal_mask,
-            packed_sequence_mask_function,
-            sliding_window_overlay,
-        )
-        from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
-    except ImportError as e:
-        raise ImportError(f"the gemma3 backend builds packed masks with transformers' masking_utils (written for "
-                          f"5.25); transformers {transformers.__version__} lacks part of it: {e}") from None
-    return (and_masks, blockwise_overlay, create_causal_mask, packed_sequence_mask_function, sliding_window_overlay,
-            get_block_sequence_ids_for_mask)
+    return packed_mask_api("gemma3")
 
 
 def vision_modules(model) -> list:

@@ -519,3 +519,29 @@ def export_hf(model: nn.Module, cfg, directory, state_dict: dict | None = None) 
         if (src / name).is_file() and not (d / name).exists():
             shutil.copyfile(src / name, d / name)
     return d
+
+
+def packed_mask_api(family: str) -> tuple:
+    """(and_masks, blockwise_overlay, create_causal_mask, packed_sequence_mask_function, sliding_window_overlay,
+    get_block_sequence_ids_for_mask): the transformers mask builders the Gemma backends' packed masks use, the last
+    from ``family``'s modeling module (those of 5.25; an older release may lack them: ImportError, naming it)."""
+    import importlib
+
+    import transformers
+
+    try:
+        from transformers.masking_utils import (
+            and_masks,
+            blockwise_overlay,
+            create_causal_mask,
+            packed_sequence_mask_function,
+            sliding_window_overlay,
+        )
+        block_ids = importlib.import_module(f"transformers.models.{family}.modeling_{family}"
+                                            ).get_block_sequence_ids_for_mask
+    except (ImportError, AttributeError) as e:
+        raise ImportError(f"the {family} backend builds packed masks with transformers' masking_utils and {family} "
+                          f"(written for 5.25); transformers {transformers.__version__} lacks part of it: {e}"
+                          ) from None
+    return (and_masks, blockwise_overlay, create_causal_mask, packed_sequence_mask_function, sliding_window_overlay,
+            block_ids)
