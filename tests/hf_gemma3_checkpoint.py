@@ -78,7 +78,14 @@ _TURN = ["<start_of_turn>", "<end_of_turn>"]
 
 
 def _tokenizer(directory: Path):
-    """The shipped BPE + newline-run merges + Gemma's special tokens, saved into ``directory``."""
+    """The shipped BPE + newline-run merges + Gemma 3's special tokens, saved into ``directory``."""
+    return gemma_tokenizer(directory, _NAMED, _TURN, GEMMA3)
+
+
+def gemma_tokenizer(directory: Path, named: dict[str, str], other: list[str], chat_template: str):
+    """The shipped BPE + newline-run merges (Gemma's tokenizers have them) + <bos> / <eos> / <pad>, the ``named``
+    special tokens (boi_token, ...) and the ``other`` ones, <bos> prepended and ``chat_template``, saved into
+    ``directory`` (tests/hf_gemma4_checkpoint.py's too)."""
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
@@ -91,13 +98,13 @@ def _tokenizer(directory: Path):
         vocab[piece] = len(vocab)
     spec["model"]["merges"] += [["Ċ", "Ċ"], ["ĊĊ", "Ċ"]]
     core = Tokenizer.from_str(json.dumps(spec))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, **_SPECIAL, extra_special_tokens={**_NAMED})
-    tok.add_special_tokens({"additional_special_tokens": _TURN + list(_NAMED.values())},
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, **_SPECIAL, extra_special_tokens={**named})
+    tok.add_special_tokens({"additional_special_tokens": list(other) + list(named.values())},
                            replace_extra_special_tokens=False)
     bos = tok.convert_tokens_to_ids("<bos>")
     tok.backend_tokenizer.post_processor = TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
                                                               special_tokens=[("<bos>", bos)])
-    tok.chat_template = GEMMA3
+    tok.chat_template = chat_template
     tok.save_pretrained(directory)
     return tok
 

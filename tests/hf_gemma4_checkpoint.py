@@ -82,7 +82,6 @@ GEMMA4 = (  # modelled on google/gemma-4-*-it's chat_template (no tools, no thin
     "{%- endif -%}\n"
 )
 
-_SPECIAL = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 _NAMED = {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
           "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"}
 _OTHER = ["<|turn>", "<turn|>", "<|video|>"]
@@ -99,27 +98,9 @@ VIDEO_PROCESSOR = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": T
 
 def _tokenizer(directory: Path):
     """The shipped BPE + newline-run merges + Gemma 4's special tokens, saved into ``directory``."""
-    from tokenizers import Tokenizer
-    from tokenizers.processors import TemplateProcessing
-    from transformers import PreTrainedTokenizerFast
+    from tests.hf_gemma3_checkpoint import gemma_tokenizer
 
-    from ray_mmbatch.data.text.tokenizer import SHIPPED_TOKENIZER
-
-    spec = json.loads((SHIPPED_TOKENIZER / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
-    for piece in ("ĊĊ", "ĊĊĊ"):  # byte-level "\n\n", "\n\n\n"
-        vocab[piece] = len(vocab)
-    spec["model"]["merges"] += [["Ċ", "Ċ"], ["ĊĊ", "Ċ"]]
-    core = Tokenizer.from_str(json.dumps(spec))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, **_SPECIAL, extra_special_tokens={**_NAMED})
-    tok.add_special_tokens({"additional_special_tokens": _OTHER + list(_NAMED.values())},
-                           replace_extra_special_tokens=False)
-    bos = tok.convert_tokens_to_ids("<bos>")
-    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                              special_tokens=[("<bos>", bos)])
-    tok.chat_template = GEMMA4
-    tok.save_pretrained(directory)
-    return tok
+    return gemma_tokenizer(directory, _NAMED, _OTHER, GEMMA4)
 
 
 def gemma4_processor(path, video_processor=None):
