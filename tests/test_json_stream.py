@@ -71,11 +71,38 @@ def test_default_listing_matches_the_whole_file_parse(tmp_path):
     recs = records(1500)
     write_list(tmp_path / "data.json", recs, sep=",")
     units, read_fn, kwargs = read_units(str(tmp_path), DataConfig())
-    assert [u["rows"] for u in units] == [llava.CHUNK] * (1500 // llava.CHUNK) + [1500 % llava.CHUNK]
+    # a small file is cut into at least MIN_UNITS units of FINE_CHUNK records (one task per preprocessing actor)
+    assert [u["rows"] for u in units] == [llava.FINE_CHUNK] * (1500 // llava.FINE_CHUNK) + [1500 % llava.FINE_CHUNK]
     assert "records" not in units[0]  # no record text travels in a unit
     rows = read_all(units)
     assert [r[S.SAMPLE_ID] for r in rows] == [expected_id(i, r) for i, r in enumerate(recs)]
     assert count_samples(str(tmp_path), DataConfig()) == 1500
+
+
+def test_unit_records_cut_small_files_finer_and_keep_chunk_for_large_ones():
+    assert [llava.unit_records(n) for n in (0, 1, 3000, 8192, 8193, 16384, 16385, 20000, 65536, 665_000)] == \
+        [128, 128, 128, 128, 128, 256, 256, 256, 1024, 1024]
+    for n in (3000, 20000, 665_000):  # MIN_UNITS units or more, between FINE_CHUNK and CHUNK records each
+        per = llava.unit_records(n)
+        assert -(-n // per) >= llava.MIN_UNITS or per in (llava.FINE_CHUNK, llava.CHUNK)
+        assert per == llava.CHUNK or -(-n // (2 * per)) < llava.MIN_UNITS  # no finer than needed
+
+
+@pytest.mark.parametrize("lines", [False, True])
+@pytest.mark.parametrize("n", [700, 9000])
+def test_merged_fine_spans_equal_a_listing_at_the_merged_size(tmp_path, lines, n):
+    """The default listing lists at FINE_CHUNK and merges spans: byte for byte the units a listing at
+    unit_records(n) records gives (the bytes between records, commas or newlines, come along)."""
+    recs = records(n)
+    name = "data.jsonl" if lines else "data.json"
+    if lines:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    else:
+        write_list(tmp_path / name, recs, sep=",\n ")
+    merged = llava.file_units(str(tmp_path / name), str(tmp_path))
+    direct = llava.file_units(str(tmp_path / name), str(tmp_path), chunk=llava.unit_records(n))
+    assert merged == direct
+    assert sum(u["rows"] for u in merged) == n and len(merged) == -(-n // llava.unit_records(n))
 
 
 def test_listing_reads_in_blocks_and_holds_only_offsets(tmp_path):

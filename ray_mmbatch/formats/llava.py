@@ -7,14 +7,14 @@ read like an image file (same root rules, checks and refs) and its bytes are one
 holding both kinds has its media in the order of the ``<image>`` / ``<video>`` placeholders of its human
 turns (records.place_media: images fill the ``<image>`` slots, videos the ``<video>`` ones; a record with a
 video and no placeholder gets them, first in the first human turn). Records of images only are unchanged.
-The driver streams the file once (formats/json_stream.py: blocks of 16 MB, never the whole file in
-memory) and lists read units of CHUNK records, each a byte range of the file (offset, length) with its
-first record index and record count; a worker seeks to its range, reads and parses only that. A JSON
-list that breaks off (truncated, a bad record, data after the closing ``]``) keeps every record before the break and
-ends in one skipped row ``<file>:unreadable-tail`` (malformed_record, naming the byte). A JSON Lines
-file named ``.json`` is refused at start with the right extension named, as is a top level that is
-not a list; a ``.jsonl`` line that is not JSON is kept as a malformed_record row; blank lines are
-not records.
+The driver streams the file once (formats/json_stream.py: blocks of 16 MB, never the whole file in memory) and
+lists read units of CHUNK records (a smaller file: MIN_UNITS units, ``unit_records``), each a byte range of
+the file (offset, length) with its first record index and record count; a worker seeks to its range, reads and
+parses only that. A JSON list that breaks off (truncated, a bad record, data after the closing ``]``) keeps
+every record before the break and ends in one skipped row ``<file>:unreadable-tail`` (malformed_record, naming
+the byte). A JSON Lines file named ``.json`` is refused at start with the right extension named, as is a top
+level that is not a list; a ``.jsonl`` line that is not JSON is kept as a malformed_record row; blank lines
+are not records.
 
 Image paths resolve inside the image root (``data.image_root``, default the JSON's folder;
 a local folder or a URI) or are refused unread: absolute paths, ``..`` and symlinks out of
@@ -54,14 +54,15 @@ from ray_mmbatch.formats.records import (
 
 EXTS = (".json", ".jsonl")
 INDEX_NAMES = ("data.json", "data.jsonl")
-CHUNK = 1024
+CHUNK = 1024  # records per read unit at most
+FINE_CHUNK, MIN_UNITS = 128, 64  # a small file's units: at least MIN_UNITS of them, of FINE_CHUNK records or more
 IDS_MAX_LINES_BYTES = 2**30
 CACHE_MIN_BYTES, CACHE_FILES = 64 * 2**20, 2
 _listed: dict[tuple, list[dict]] = {}
 log = logging.getLogger("ray_mmbatch.formats")
 
 
-def list_records(location: str, chunk: int = CHUNK, block: int = json_stream.BLOCK,
+def list_records(location: str, chunk: int = FINE_CHUNK, block: int = json_stream.BLOCK,
                  ids: json_stream.IdTally | None = None) -> json_stream.Listing:
     """The streamed listing of one JSON / JSONL file: spans of ``chunk`` records (ValueError if refused)."""
     with fs.open_input(location) as stream:
@@ -100,10 +101,32 @@ def list_units(files: list[str], root: str, data_cfg) -> list[dict]:
     return units
 
 
-def file_units(location: str, image_root: str, chunk: int = CHUNK, block: int = json_stream.BLOCK,
+def unit_records(records: int) -> int:
+    """Records per read unit of a file of ``records``: CHUNK, but a smaller file is cut into MIN_UNITS units or more
+    (a power of two times FINE_CHUNK records): a read unit is one task on one preprocessing actor, so
+    3,000 records in units of 1,024 kept one of two actors idle for a third of the pass."""
+    return min(CHUNK, FINE_CHUNK * 2 ** (max(1, records // MIN_UNITS // FINE_CHUNK).bit_length() - 1))
+
+
+def merge_spans(spans: list, per_span: int, records: int) -> list:
+    """Consecutive spans of ``per_span`` records merged into spans of ``unit_records(records)`` (a span's
+    bytes run from its first record's start to its last record's end, so the separators between come along)."""
+    k = max(1, unit_records(records) // per_span)
+    if k == 1:
+        return spans
+    out = []
+    for i in range(0, len(spans), k):
+        group = spans[i:i + k]
+        last = group[-1]
+        out.append(json_stream.Span(group[0].offset, last.offset + last.length - group[0].offset, group[0].first,
+                                    sum(s.count for s in group)))
+    return out
+
+
+def file_units(location: str, image_root: str, chunk: int | None = None, block: int = json_stream.BLOCK,
                rel: str | None = None) -> list[dict]:
-    """The read units of one JSON / JSONL file: byte ranges of ``chunk`` records (+ the broken tail's unit);
-    ``rel`` names the file in ids (default: its name).
+    """The read units of one JSON / JSONL file: byte ranges of ``chunk`` records (None: ``unit_records`` of the
+    file's count) (+ the broken tail's unit); ``rel`` names the file in ids (default: its name).
 
     A file of CACHE_MIN_BYTES or more is listed once per process while its size and modification time
     stand (the driver lists a dataset several times before the first step: pre-flight, the listing
@@ -120,18 +143,19 @@ def file_units(location: str, image_root: str, chunk: int = CHUNK, block: int = 
     return [dict(u) for u in _listed[key]]
 
 
-def _file_units(location: str, image_root: str, chunk: int, block: int, rel: str | None = None) -> list[dict]:
+def _file_units(location: str, image_root: str, chunk: int | None, block: int, rel: str | None = None) -> list[dict]:
     rel = rel or fs.relative(location, fs.dirname(location))
     lines = location.lower().endswith(".jsonl")
     ids = None if lines and fs.size(location) > IDS_MAX_LINES_BYTES else json_stream.IdTally()
     if ids is None:
         log.info("%s: over %d bytes of JSON Lines, so its ids are not checked for repeats on the driver",
                  rel, IDS_MAX_LINES_BYTES)
-    listing = list_records(location, chunk, block, ids)
+    listing = list_records(location, chunk or FINE_CHUNK, block, ids)
+    spans = listing.spans if chunk else merge_spans(listing.spans, FINE_CHUNK, listing.records)
     if ids is not None:
         _warn_repeated_ids(ids, rel)
     base = {"path": location, "rel": rel, "image_root": image_root, "lines": lines, "error": ""}
-    units = [dict(base, offset=s.offset, length=s.length, row_offset=s.first, rows=s.count) for s in listing.spans]
+    units = [dict(base, offset=s.offset, length=s.length, row_offset=s.first, rows=s.count) for s in spans]
     if listing.error:
         log.warning("%s: %s; the %d records before it are read, the rest is one skipped row", rel, listing.error,
                     listing.records)
