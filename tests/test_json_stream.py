@@ -213,3 +213,36 @@ def test_a_unit_over_a_changed_file_is_one_skipped_row(tmp_path):
     rows = llava.read_unit(units[1], DataConfig())
     assert [r[S.SAMPLE_ID] for r in rows] == ["data.json:4-7"]
     assert rows[0][S.READ_ERROR].startswith(S.SKIP_UNREADABLE_FILE)
+
+
+def test_the_one_open_image_read_agrees_with_the_checked_path(tmp_path):
+    """llava._local_bytes (open + fstat + read, the folder's real path cached) serves only plain regular files
+    under the root and leaves every other reference to the checked path; what it serves is what that path
+    reads. Each kind of reference: a file, a nested one, one through a symlinked folder inside the root, a
+    symlinked file, a folder symlink and a '..' out of the root, a missing file, a FIFO, a folder, a file
+    over max_bytes, an absolute path, '.', a NUL."""
+    import os
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a" / "b").mkdir(parents=True)
+    outside.mkdir()
+    for p, data in ((root / "x.jpg", b"x" * 10), (root / "a" / "b" / "y.jpg", b"y" * 20),
+                    (outside / "z.jpg", b"z" * 30), (root / "big.jpg", b"b" * 5000)):
+        p.write_bytes(data)
+    (root / "inner").symlink_to(root / "a")
+    (root / "out").symlink_to(outside)
+    (root / "link.jpg").symlink_to(root / "x.jpg")
+    (root / "escape.jpg").symlink_to(outside / "z.jpg")
+    os.mkfifo(root / "pipe.jpg")
+    served = {"x.jpg": b"x" * 10, "a/b/y.jpg": b"y" * 20, "inner/b/y.jpg": b"y" * 20, "./x.jpg": b"x" * 10}
+    refused = ["link.jpg", "escape.jpg", "out/z.jpg", "../outside/z.jpg", "a/../../outside/z.jpg", "missing.jpg",
+               "a/missing.jpg", "pipe.jpg", "a", "big.jpg", str(root / "x.jpg"), ".", "", "x\x00.jpg", 7]
+    for ref in list(served) + refused:
+        assert llava._local_bytes(ref, str(root), 1000) == served.get(ref), ref
+        location, err, _ = llava._locate(ref, str(root))  # the checked path (no archive in this root)
+        checked = llava._read_image(location, ref, 1000) if location is not None else (b"", err)
+        assert llava._image_bytes(ref, str(root), 1000) == checked, ref  # the same answer either way
+        if ref in served or ref == "link.jpg":  # a symlink inside the root is read, by the checked path
+            assert checked == (served.get(ref, b"x" * 10), ""), ref
+        else:
+            assert checked[0] == b"" and checked[1], ref  # refused with a reason

@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import stat
 import tarfile
 from pathlib import Path
 
@@ -149,6 +150,15 @@ def test_llava_rows_resolve_paths_safely(llava_root: Path, monkeypatch):
     opened = []
     real_open = open
     monkeypatch.setattr(formats_fs, "open", lambda p, *a, **k: opened.append(p) or real_open(p, *a, **k), raising=False)
+    real_os_open = os.open
+
+    def os_open(p, *a, **k):  # llava's one-open read of plain files (O_NOFOLLOW): the regular files it opens
+        fd = real_os_open(p, *a, **k)
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            opened.append(p)
+        return fd
+
+    monkeypatch.setattr(os, "open", os_open)
     records = [
         {"id": "ok", "image": "images/a.jpg", "conversations": CONV},
         {"id": "many", "image": ["images/b.png", "images/inside.jpg"], "conversations": CONV},

@@ -33,10 +33,12 @@ Pure module: no ray.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import posixpath
+import stat
 
 from ray_mmbatch import schema
 from ray_mmbatch.formats import archives, fs, json_stream
@@ -201,8 +203,53 @@ def _locate(ref, image_root: str, what: str = IMAGE) -> tuple[str | None, str, b
     return location, "", False
 
 
+@functools.lru_cache(maxsize=64)
+def _local_root(image_root: str) -> str | None:
+    """The real path of a local image root, None for a URI."""
+    return None if fs.is_uri(image_root) else os.path.realpath(fs.local_path(image_root))
+
+
+@functools.lru_cache(maxsize=4096)
+def _real_dir(root: str, parent: str) -> str | None:
+    """The real path of folder ``parent`` (relative) under ``root``; None when it resolves outside it."""
+    real = os.path.realpath(os.path.join(root, parent))
+    return real if os.path.commonpath([root, real]) == root else None
+
+
+def _local_bytes(ref, image_root: str, max_bytes: int) -> bytes | None:
+    """The bytes of a plain regular file under a local root with one open + fstat + read (the folder's real
+    path cached per process), or None for anything else, which ``_image_bytes``' checks then handle:
+    a URI root, an absolute path, a NUL, a '.' / '..' / symlink as the last part (O_NOFOLLOW), a folder
+    outside the root, a missing file (archives), a FIFO or folder, a file over ``max_bytes``.
+    665k-record inspect, per image: 3 realpath walks + 2 stats + 5 URL parses before (~190 us), one
+    open after."""
+    root = _local_root(image_root)
+    if root is None or not isinstance(ref, str) or not ref or "\x00" in ref or os.path.isabs(ref):
+        return None
+    parent, name = os.path.split(ref)
+    if name in ("", ".", "..") or (folder := _real_dir(root, parent)) is None:
+        return None
+    try:
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (max_bytes and st.st_size > max_bytes):
+            return None
+        with open(fd, "rb", buffering=0, closefd=False) as f:
+            return f.readall()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _image_bytes(ref, image_root: str, max_bytes: int, what: str = IMAGE) -> tuple[bytes, str]:
     """(bytes, "") of an image (or video) path: a file under the root, else a member of an archive there."""
+    data = _local_bytes(ref, image_root, max_bytes)
+    if data is not None:
+        return data, ""
     location, err, missing = _locate(ref, image_root, what)
     if location is not None:
         return _read_image(location, ref, max_bytes)
