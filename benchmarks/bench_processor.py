@@ -15,7 +15,9 @@ max_pixels 12845056, patch 14, merge 2, temporal 2) unless ``--max-pixels`` says
 sides read the same preprocessor_config.json and the same tokenizer.
 
 Timing: each side is a fresh process (``python this.py --side S``), wall time from its spawn to its
-exit, imports and Ray's start included, the sides alternating, best of ``--repeat``. Both must agree
+exit, imports and Ray's start included, the sides alternating, best of ``--repeat``; and the CPU seconds
+of each side's whole process tree (Ray's own processes and actors, the DataLoader's workers; sampled
+from /proc as benchmarks/cpu_by_process.py does), which other load on the machine moves far less. Both must agree
 on the samples, the image tokens and the text tokens they produced (the same work is timed) or the
 script fails.
 
@@ -35,6 +37,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 PUBLISHED = {"min_pixels": 3136, "max_pixels": 12845056}  # Qwen2-VL / Qwen2.5-VL preprocessor_config.json
 COLOR = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",
@@ -182,14 +185,26 @@ def run_inspect(work: Path, workers: int) -> dict:
 
 # ------------------------------------------------------------------ driver
 def timed_side(side: str, args) -> dict:
-    t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, __file__, "--side", side, "--work", args.work, "--workers",
-                          str(args.workers), "--batch-size", str(args.batch_size)],
-                         check=True, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    """One side in a fresh process: its wall time, and the CPU seconds of its whole process tree (Ray's
+    processes, the DataLoader's workers; benchmarks/cpu_by_process.py), which other load on the machine
+    does not move much."""
+    import tempfile
+
+    from cpu_by_process import run_tree
+
+    cmd = [sys.executable, __file__, "--side", side, "--work", args.work, "--workers", str(args.workers),
+           "--batch-size", str(args.batch_size)]
+    with tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        proc, cpu, stdout = run_tree(cmd, tick=0.2, stdout=subprocess.PIPE, stderr=err, text=True)
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            err.seek(0)
+            raise SystemExit(f"{side} failed ({proc.returncode}):\n{err.read()[-4000:]}")
+    out = json.loads(stdout.strip().splitlines()[-1])
     return {**out, "side": side, "wall_s": wall, "samples_per_s": out["samples"] / wall,
-            "load_1m": os.getloadavg()[0]}
+            "cpu_s": sum(cpu.values()), "cpu_ms_per_sample": 1000 * sum(cpu.values()) / out["samples"],
+            "cpu_by_process": dict(sorted(cpu.items(), key=lambda x: -x[1])[:8]), "load_1m": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     setup = prepare(work, args.samples, args.photos, args.max_pixels)
     rows = []
     print(f"{'run':>3} {'side':<10} {'samples':>7} {'tokens':>9} {'wall s':>7} {'samples/s':>9} {'ray/DL':>6} "
-          f"{'load':>5}")
+          f"{'CPU s':>6} {'CPU ms/sample':>13} {'DL/ray CPU':>10} {'load':>5}")
     for rep in range(args.repeat):
         pair = {}
         for side in ("dataloader", "inspect"):
@@ -221,16 +236,23 @@ def main(argv: list[str] | None = None) -> int:
             r["run"] = rep
             rows.append(r)
             ratio = (r["samples_per_s"] / pair["dataloader"]["samples_per_s"]) if side == "inspect" else None
+            cpu_ratio = (pair["dataloader"]["cpu_s"] / r["cpu_s"]) if side == "inspect" else None
             print(f"{rep:>3} {side:<10} {r['samples']:>7} {r['tokens']:>9} {r['wall_s']:>7.2f} "
-                  f"{r['samples_per_s']:>9.1f} {'' if ratio is None else f'{ratio:.2f}':>6} {r['load_1m']:>5.2f}",
-                  flush=True)
+                  f"{r['samples_per_s']:>9.1f} {'' if ratio is None else f'{ratio:.2f}':>6} {r['cpu_s']:>6.1f} "
+                  f"{r['cpu_ms_per_sample']:>13.2f} {'' if cpu_ratio is None else f'{cpu_ratio:.2f}':>10} "
+                  f"{r['load_1m']:>5.2f}", flush=True)
         a, b = pair["dataloader"], pair["inspect"]
         if (a["samples"], a["tokens"], a["image_tokens"]) != (b["samples"], b["tokens"], b["image_tokens"]):
             raise SystemExit(f"the sides did different work: dataloader {a}, inspect {b}")
     best = {s: min(r["wall_s"] for r in rows if r["side"] == s) for s in ("dataloader", "inspect")}
-    summary = {"setup": setup, "rows": rows, "best_wall_s": best, "ratio_best": best["dataloader"] / best["inspect"]}
+    cpu = {s: min(r["cpu_s"] for r in rows if r["side"] == s) for s in ("dataloader", "inspect")}
+    summary = {"setup": setup, "rows": rows, "best_wall_s": best, "ratio_best": best["dataloader"] / best["inspect"],
+               "best_cpu_s": cpu, "cpu_ratio_best": cpu["dataloader"] / cpu["inspect"]}
     print(f"best of {args.repeat}: dataloader {best['dataloader']:.2f} s, inspect {best['inspect']:.2f} s, "
-          f"inspect / dataloader speed {summary['ratio_best']:.2f}x")
+          f"inspect / dataloader speed {summary['ratio_best']:.2f}x; CPU s {cpu['dataloader']:.1f} vs "
+          f"{cpu['inspect']:.1f}: {summary['cpu_ratio_best']:.2f}x less")
+    for r in rows:
+        print(f"  run {r['run']} {r['side']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_by_process"].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     return 0

@@ -29,9 +29,12 @@ def _table() -> tuple[dict[int, int], dict[int, tuple[str, float]]]:
     return parent, info
 
 
-def main(out_path: str, cmd: list[str]) -> int:
-    proc = subprocess.Popen(cmd)
+def run_tree(cmd: list[str], tick: float = 0.5, **popen_kwargs) -> tuple[subprocess.Popen, dict[str, float], str]:
+    """Run ``cmd``; (its finished Popen, CPU seconds per process name over its whole tree, its stdout when
+    ``stdout=subprocess.PIPE`` was passed). Processes that end between two ticks lose their last tick's CPU."""
+    proc = subprocess.Popen(cmd, **popen_kwargs)
     seen: dict[int, tuple[str, float]] = {}
+    chunks: list[str] = []
     while proc.poll() is None:
         parent, info = _table()
         tree, grew = {proc.pid}, True
@@ -44,10 +47,17 @@ def main(out_path: str, cmd: list[str]) -> int:
             name = "driver" if pid == proc.pid else name.split(" --")[0].split("site-packages/")[-1]
             if t >= seen.get(pid, ("", -1.0))[1]:
                 seen[pid] = (name, t)
-        time.sleep(0.5)
+        time.sleep(tick)
+    if proc.stdout is not None:
+        chunks.append(proc.stdout.read())
     totals: dict[str, float] = {}
     for name, t in seen.values():
         totals[name] = totals.get(name, 0.0) + t
+    return proc, totals, "".join(chunks)
+
+
+def main(out_path: str, cmd: list[str]) -> int:
+    proc, totals, _ = run_tree(cmd)
     with open(out_path, "w") as f:
         print(f"{sum(totals.values()):8.1f}s  TOTAL", file=f)
         for name, t in sorted(totals.items(), key=lambda x: -x[1])[:25]:

@@ -66,19 +66,43 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         return _inspect(cfg, args)
 
 
+def _configure_and_check(cfg):
+    """(the run's config, configured as ``train`` configures it, a warning or ""), after the pre-flight;
+    PreflightError as it raises it."""
+    from ray_mmbatch.run.preflight import TooManySkippedAtStart, configure_run, preflight
+
+    cfg = configure_run(cfg)  # the model's tokenizer, template and processors: train's figures, not the demo's
+    try:
+        preflight(cfg)
+    except TooManySkippedAtStart as e:  # inspect still reads it all: a mostly skipped set is what it is for
+        return cfg, str(e).replace("stopping instead of training on the rest", "a training run would stop")
+    return cfg, ""
+
+
+def _paths_there(cfg) -> bool:
+    """The model and data paths exist (URIs are taken as there): only then does Ray start beside the checks,
+    so a mistyped path still fails at once, without a cluster start."""
+    import os
+
+    from ray_mmbatch.formats import fs
+
+    paths = [p for p in (cfg.model.path, cfg.data.path) if p and not fs.is_uri(p)]
+    return all(os.path.exists(fs.local_path(p)) for p in paths)
+
+
 def _inspect(cfg, args) -> int:
-    from ray_mmbatch.run.preflight import PreflightError, TooManySkippedAtStart, configure_run, preflight
+    from ray_mmbatch.run.preflight import PreflightError
     from ray_mmbatch.run.raylogs import quiet_ray
 
     tty = sys.stderr.isatty()
     if not args.throughput:  # --throughput runs in this process: no Ray
         quiet_ray(args.verbose, own_progress=True)
-    warning = ""
+    cluster_error = None
     try:
-        cfg = configure_run(cfg)  # the model's tokenizer, template and processors: train's figures, not the demo's
-        preflight(cfg)
-    except TooManySkippedAtStart as e:  # inspect still reads it all: a mostly skipped set is what it is for
-        warning = str(e).replace("stopping instead of training on the rest", "a training run would stop")
+        if args.throughput or not _paths_there(cfg):
+            cfg, warning = _configure_and_check(cfg)
+        else:  # Ray's start (seconds of its own processes) beside loading the model and the pre-flight's reads
+            cfg, warning, cluster_error = _checks_beside_connect(cfg)
     except PreflightError as e:
         print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
         return 2
@@ -90,6 +114,8 @@ def _inspect(cfg, args) -> int:
     from ray_mmbatch.train.trainer import connect
 
     try:
+        if cluster_error is not None:
+            raise cluster_error
         connect()
     except ClusterError as e:  # a cluster it may not join: the one-line fix, as train prints it
         print(f"[inspect] error: {e}", file=sys.stderr, flush=True)
@@ -110,6 +136,28 @@ def _inspect(cfg, args) -> int:
     if warning:
         print(f"[inspect] warning: {warning}", file=sys.stderr, flush=True)
     return 0
+
+
+def _checks_beside_connect(cfg):
+    """``_configure_and_check`` in a thread (in this context: the run's one listing is shared) while this
+    thread starts or joins Ray (its signal handlers want the main thread); (cfg, warning, the ClusterError
+    or None). The checks' error wins: it is reported first, as when they ran alone."""
+    import contextvars
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ray_mmbatch.run.cluster import ClusterError
+    from ray_mmbatch.train.trainer import connect
+
+    ctx = contextvars.copy_context()
+    with ThreadPoolExecutor(1, thread_name_prefix="inspect-checks") as pool:
+        checks = pool.submit(ctx.run, _configure_and_check, cfg)
+        try:
+            connect()
+            error = None
+        except ClusterError as e:
+            error = e
+        cfg, warning = checks.result()
+    return cfg, warning, error
 
 
 def model_summary(cfg) -> dict:
