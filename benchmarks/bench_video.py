@@ -24,6 +24,18 @@ timed on its own (and is not part of the decode figures: a loader pays it once a
 Reported per path: clips/s, sampled frames/s, decoded frames per sampled frame, speed-up of ours; and
 with the shared resize + patchify (timed alone on the decoded frames) taken out: decode ms/clip, its speed-up.
 
+``--part hf`` (issue 46): per core, ours against what a user of HF runs today on the same clip files (the
+``--part decode`` clips, written to disk): HF's ``load_video(path, backend=...)`` with the processor's own
+``sample_frames`` (``--hf-loaders``: pyav, load_video's default; torchcodec, what HF's video processors fetch a
+path with) + ``Qwen2VLVideoProcessor(videos=[frames], do_sample_frames=False)`` (torchvision resize, float32
+rescale + normalize, patchify), run by benchmarks/bench_video_hf.py in the reference interpreter (.venv-ref,
+``RAY_MMBATCH_REFERENCE_PYTHON``) pinned to the same core, one clip a request; ours: read the file,
+``plan_video`` (measure's header probe) + ``decode_video`` + ``patchify_video`` (materialize), uint8; then, apart,
+the float32 normalize the trainer does (``normalize_video_patches``, here on the CPU). CPU seconds of each process
+(``time.process_time``), per clip the best of ``--repeat``, the sides interleaved clip by clip (their order
+turning each repeat). Checked first, per clip and loader: the same sampled indices, grid, and pixels (ours
+normalized == HF's ``pixel_values_videos``, bit for bit).
+
 ``--part train``: real (non-padding) tokens/s of forward + backward (no optimizer step: both strategies
 see the same weights) of the tiny Qwen2-VL (tests/hf_checkpoints.make_qwen_checkpoint, its default
 initializer_range, the video processor above) on CPU, on ``--samples`` mixed samples (half short clips of
@@ -45,6 +57,7 @@ attends a packed row through one [1, 1, T, T] block-causal mask (all T^2 entries
 attention needs a GPU), so pack pays attention over the whole row; a pad row attends within itself.
 
     python benchmarks/bench_video.py --part decode [--clips 24 --seconds 10 --fps 30 --size 224x320 --gop 30]
+    python benchmarks/bench_video.py --part hf [--clips 24 ... as decode, --hf-loaders pyav,torchcodec]
     python benchmarks/bench_video.py --part train [--samples 48 --max-tokens 2048 --max-frames 64 --batch-size 4]
     python benchmarks/bench_video.py --part sample [--clips 8 --containers mp4,webm,mkv]
 
@@ -210,9 +223,9 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def part_decode(args, tmp: str) -> dict:
-    core = pin_one_cpu(args.cpu)
-    cfg = configured(tiny_checkpoint(os.path.join(tmp, "ckpt"))).image
+def make_clips(args) -> tuple[int, int, int, list[bytes], np.ndarray, float]:
+    """--clips generated H.264 mp4 clips (--size, --seconds, --fps, --gop, --bframes, --noise, --fixed-gop):
+    (h, w, frames per clip, the clips, keyframes per clip, encode seconds)."""
     h, w = (int(x) for x in args.size.split("x"))
     n = int(round(args.seconds * args.fps))
     t0 = time.perf_counter()
@@ -225,7 +238,13 @@ def part_decode(args, tmp: str) -> dict:
         clips = [encode_clip(noisy(clip_frames(n, h, w, seed=i), args.noise, i), fps=args.fps, gop=args.gop,
                              bframes=args.bframes) for i in range(args.clips)]
     kf = np.array([keyframes(c) for c in clips])
-    encode_s = time.perf_counter() - t0
+    return h, w, n, clips, kf, time.perf_counter() - t0
+
+
+def part_decode(args, tmp: str) -> dict:
+    core = pin_one_cpu(args.cpu)
+    cfg = configured(tiny_checkpoint(os.path.join(tmp, "ckpt"))).image
+    h, w, n, clips, kf, encode_s = make_clips(args)
     paths = ("sampled", "hf_pyav", "all_frames")
     best = {p: np.full(len(clips), np.inf) for p in ("header", "resize_patchify") + paths}
     decoded = {p: np.zeros(len(clips), np.int64) for p in paths}
@@ -287,6 +306,143 @@ def part_decode(args, tmp: str) -> dict:
               f"{r['decoded_per_sampled']:17.2f}{r['speedup_of_sampled']:8.2f}{r['decode_ms_per_clip']:11.1f}"
               f"{r['decode_speedup_of_sampled']:10.2f}")
     print(f"(encode {encode_s:.1f} s untimed; measuring {measure_s:.1f} s)")
+    return out
+
+
+# ------------------------------------------------------------------ part 1b: against HF's loader and processor
+REFERENCE_PYTHON = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON",
+                                  os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                               ".venv-ref", "bin", "python"))
+
+
+class HFSide:
+    """benchmarks/bench_video_hf.py in the reference interpreter, pinned to ``core``: one clip a request."""
+
+    def __init__(self, checkpoint: str, core: int, cap: bool):
+        import subprocess
+
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_video_hf.py")
+        cmd = [REFERENCE_PYTHON, script, checkpoint, str(core)] + (["--cap-pixels-per-frame"] if cap else [])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = json.loads(self.proc.stdout.readline())
+
+    def __call__(self, path: str, loader: str, out: str = "") -> dict:
+        self.proc.stdin.write(json.dumps({"path": path, "loader": loader, "out": out}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the HF side stopped (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def ours_timed(path: str, cfg) -> tuple[np.ndarray, dict]:
+    """Ours on a clip file, as the pipeline runs it (measure's plan_video, materialize's decode_video +
+    patchify_video), each step's CPU seconds; then the float32 normalize HF's processor does (the trainer's
+    normalize_video_patches, here on the CPU) timed on its own."""
+    from ray_mmbatch.models.hf_common import normalize_video_patches
+
+    t0 = time.process_time()
+    with open(path, "rb") as f:
+        data = f.read()
+    plan = plan_video(data, cfg)
+    t1 = time.process_time()
+    frames = decode_video(data, plan, cfg)
+    t2 = time.process_time()
+    patches = patchify_video(frames, cfg)
+    t3 = time.process_time()
+    normalize_video_patches(torch.from_numpy(patches), cfg.video_mean, cfg.video_std)
+    t4 = time.process_time()
+    return patches, {"cpu_s": t3 - t0, "plan_s": t1 - t0, "decode_s": t2 - t1, "patchify_s": t3 - t2,
+                     "normalize_s": t4 - t3}
+
+
+def part_hf(args, tmp: str) -> dict:
+    """Per core: ours (plan_video + decode_video + patchify_video) against HF's load_video(backend=each of
+    --hf-loaders) + Qwen2VLVideoProcessor on the same clip files, in CPU seconds, clip by clip interleaved (the
+    order of the sides turning each repeat), best of --repeat per clip and side."""
+    from ray_mmbatch.models.hf_common import normalize_video_patches
+
+    core = pin_one_cpu(args.cpu)
+    ckpt = tiny_checkpoint(os.path.join(tmp, "ckpt"))
+    cfg = configured(ckpt).image
+    h, w, n, clips, kf, encode_s = make_clips(args)
+    paths = []
+    for k, data in enumerate(clips):
+        paths.append(os.path.join(tmp, f"clip{k:03d}.mp4"))
+        with open(paths[-1], "wb") as f:
+            f.write(data)
+    loaders = args.hf_loaders.split(",")
+    hf = HFSide(ckpt, core, cfg.video_cap_pixels_per_frame)
+    keys = {"ours": ("cpu_s", "plan_s", "decode_s", "patchify_s", "normalize_s"),
+            **{f"hf_{lo}": ("cpu_s", "load_s", "process_s") for lo in loaders}}
+    best = {(side, key): np.full(len(clips), np.inf) for side, ks in keys.items() for key in ks}
+    sampled = np.zeros(len(clips), np.int64)
+
+    def run(side: str, path: str) -> dict:
+        return ours_timed(path, cfg)[1] if side == "ours" else hf(path, side[3:])
+
+    try:
+        for k, path in enumerate(paths):  # the same work on every side (also the warm-up, untimed)
+            plan = plan_video(clips[k], cfg)
+            sampled[k] = plan.frames
+            ours, _ = ours_timed(path, cfg)
+            normalized = normalize_video_patches(torch.from_numpy(ours), cfg.video_mean, cfg.video_std).numpy()
+            for lo in loaders:
+                out = os.path.join(tmp, f"hf_{lo}{k:03d}.npz")
+                hf(path, lo, out)
+                ref = np.load(out)
+                assert plan.indices.tolist() == ref["indices"].tolist(), (lo, k, plan.indices, ref["indices"])
+                assert list(plan.grid) == ref["grid"].tolist(), (lo, k, plan.grid, ref["grid"])
+                assert np.array_equal(normalized, ref["pixels"]), (lo, k,
+                                                                   float(np.abs(normalized - ref["pixels"]).max()))
+        sides = list(keys)
+        t0 = time.perf_counter()
+        for r in range(args.repeat):
+            for k, path in enumerate(paths):
+                for side in sides[r % len(sides):] + sides[:r % len(sides)]:
+                    for key, v in run(side, path).items():
+                        if (side, key) in best:
+                            best[side, key][k] = min(best[side, key][k], v)
+        measure_s = time.perf_counter() - t0
+    finally:
+        hf.close()
+    ms = {key: 1000 * float(v.mean()) for key, v in best.items()}
+    p0 = plan_video(clips[0], cfg)
+    fr = float(sampled.mean())
+    ours_ms, with_norm = ms["ours", "cpu_s"], ms["ours", "cpu_s"] + ms["ours", "normalize_s"]
+    out = {"part": "hf", "clips": args.clips, "seconds": args.seconds, "fps": args.fps, "size": f"{h}x{w}",
+           "gop": args.gop, "bframes": args.bframes, "noise": args.noise, "fixed_gop": args.fixed_gop,
+           "keyframes_per_clip": float(kf.mean()), "frames_per_clip": n,
+           "mb_per_clip": float(np.mean([len(c) for c in clips]) / 2**20),
+           "sampled_frames_per_clip": fr, "grid": list(p0.grid), "tokens_per_clip": p0.tokens,
+           "repeat": args.repeat, "cpu": core, "hf": hf.ready, "encode_s": encode_s, "measure_s": measure_s,
+           "ms_per_clip": {f"{side}/{key[:-2]}": v for (side, key), v in ms.items()},
+           "ours_faster": {lo: ms[f"hf_{lo}", "cpu_s"] / ours_ms for lo in loaders},
+           "ours_with_normalize_faster": {lo: ms[f"hf_{lo}", "cpu_s"] / with_norm for lo in loaders}}
+    print(f"clips {args.clips} x {args.seconds:g} s, {n} frames {h}x{w} @ {args.fps:g} fps, H.264 GOP {args.gop} "
+          f"({'fixed' if args.fixed_gop else 'x264 scene-cut on'}, keyframes/clip mean {kf.mean():.1f}), b-frames "
+          f"{args.bframes}, noise {args.noise:g}, {out['mb_per_clip']:.2f} MB/clip; sampled {fr:g} frames/clip, grid "
+          f"{tuple(p0.grid)}, {p0.tokens} tokens/clip; CPU ms per clip, best of {args.repeat}, every side pinned to "
+          f"CPU {core}; HF: {hf.ready}")
+    print("| side | CPU ms / clip | steps (CPU ms / clip, each its own best) | sampled frames / CPU s | "
+          + " | ".join(f"ours vs HF {lo}" for lo in loaders) + " |")
+    print("|---|---:|---|---:|" + "---:|" * len(loaders))
+    for lo in loaders:
+        t = ms[f"hf_{lo}", "cpu_s"]
+        print(f"| HF load_video({lo}) + processor | {t:.1f} | load {ms[f'hf_{lo}', 'load_s']:.1f}, process "
+              f"{ms[f'hf_{lo}', 'process_s']:.1f} | {1000 * fr / t:.0f} | "
+              + " | ".join("" for _ in loaders) + " |")
+    print(f"| ours: plan + decode + patchify (uint8) | {ours_ms:.1f} | plan {ms['ours', 'plan_s']:.1f}, decode + "
+          f"resize {ms['ours', 'decode_s']:.1f}, patchify {ms['ours', 'patchify_s']:.2f} | {1000 * fr / ours_ms:.0f} | "
+          + " | ".join(f"{out['ours_faster'][lo]:.2f}x" for lo in loaders) + " |")
+    print(f"| ours + float32 normalize on the CPU | {with_norm:.1f} | normalize {ms['ours', 'normalize_s']:.2f} | "
+          f"{1000 * fr / with_norm:.0f} | " + " | ".join(f"{out['ours_with_normalize_faster'][lo]:.2f}x"
+                                                       for lo in loaders) + " |")
+    print(f"(encode {encode_s:.1f} s untimed; measuring {measure_s:.1f} s wall)")
     return out
 
 
@@ -486,7 +642,7 @@ def part_sample(args, tmp: str) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=("decode", "train", "sample"), required=True)
+    ap.add_argument("--part", choices=("decode", "hf", "train", "sample"), required=True)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the result here too")
     d = ap.add_argument_group("decode")
@@ -503,6 +659,9 @@ def main(argv=None) -> dict:
     d.add_argument("--repeat", type=int, default=3, help="best of this many runs per clip and path")
     d.add_argument("--cpu", type=int, default=None, help="the core to pin to (default: the last allowed)")
     d.add_argument("--containers", default="mp4,webm,mkv", help="--part sample: the containers, interleaved")
+    d.add_argument("--hf-loaders", default="pyav,torchcodec",
+                   help="--part hf: HF's load_video backends to time (pyav: its default; torchcodec: what its video "
+                        "processors fetch a path with)")
     t = ap.add_argument_group("train")
     t.add_argument("--samples", type=int, default=48)
     t.add_argument("--max-tokens", type=int, default=2048)
@@ -515,7 +674,7 @@ def main(argv=None) -> dict:
     t.add_argument("--threads", type=int, default=1, help="torch threads")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_video_") as tmp:
-        out = {"decode": part_decode, "train": part_train, "sample": part_sample}[args.part](args, tmp)
+        out = {"decode": part_decode, "hf": part_hf, "train": part_train, "sample": part_sample}[args.part](args, tmp)
     print(json.dumps(out))
     if args.json:
         with open(args.json, "w") as f:

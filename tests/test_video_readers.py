@@ -332,3 +332,27 @@ def test_video_placeholder_stays_plain_text_for_the_encoder():
     tok = load_tokenizer("", "auto")
     [(ids, _)] = encode_conversations([conv], [0], tok)
     assert VID in tok.decode([int(i) for i in ids])
+
+
+# ------------------------------------------------------------------------------------------ decode
+@pytest.mark.parametrize("shape,size", [((20, 224, 320), (168, 252)), ((3, 16, 192), (28, 196)),
+                                        ((2, 57, 91), (112, 168)), ((4, 480, 640), (224, 308)),
+                                        ((1, 224, 320), (224, 308)), ((2, 300, 200), (168, 200))])
+def test_resize_frames_channels_last_equals_hf_contiguous_layout(shape, size):
+    """resize_frames hands torch the frames channels last (no layout copies, issue 46); HF's torchvision backend
+    makes them contiguous [n, 3, H, W] first. Same uint8 bicubic antialias pixels either way: down, up, one side
+    only, noise and flat areas."""
+    import numpy as np
+    import torch
+
+    from ray_mmbatch.data.video import resize_frames
+
+    rng = np.random.default_rng(sum(shape) + sum(size))
+    frames = rng.integers(0, 256, (*shape, 3), dtype=np.uint8)
+    frames[:, : shape[1] // 2] //= 64  # flat bands beside the noise
+    frames[:, : shape[1] // 2] *= 85
+    hf = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
+    hf = torch.nn.functional.interpolate(hf, size=list(size), mode="bicubic", align_corners=False, antialias=True)
+    ours = resize_frames(frames, *size)
+    assert ours.flags.c_contiguous and ours.shape == (shape[0], *size, 3)
+    assert np.array_equal(ours, hf.permute(0, 2, 3, 1).numpy())

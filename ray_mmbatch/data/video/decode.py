@@ -112,14 +112,19 @@ def decode_sampled(data, plan: VideoPlan) -> Decoded:
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
     """uint8 [n, H, W, 3] -> uint8 [n, height, width, 3]: HF's torchvision resize (bicubic, antialias, on
-    uint8: torch's native kernel), so the pixels equal the processor's bit for bit."""
+    uint8: torch's native kernel), so the pixels equal the processor's bit for bit.
+
+    The frames go in as they lie, channels last (the [n, 3, H, W] view of NHWC memory), where HF makes them
+    contiguous [n, 3, H, W] first: torch's uint8 antialias kernel works on interleaved RGB either way (it packs a
+    planar input first, then unpacks), so the pixels are the same (tests/test_video_readers.py checks both
+    layouts) and the two layout copies are saved: 3x faster on 20 frames of 224x320 -> 168x252 (issue 46)."""
     import torch
 
     if frames.shape[1:3] == (height, width):
         return frames
-    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
+    x = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
     y = torch.nn.functional.interpolate(x, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
-    return y.permute(0, 2, 3, 1).contiguous().numpy()
+    return np.ascontiguousarray(y.permute(0, 2, 3, 1).numpy())
 
 
 def decode_video(data, plan: VideoPlan, cfg: ImageConfig) -> np.ndarray:
