@@ -158,11 +158,16 @@ def _worker_ready() -> int:
 @contextlib.contextmanager
 def _local_ray(cpus: int):
     """A fresh local cluster for one pass, its worker pool up before the clock starts (one live
-    process per CPU); yields the DataContext (progress output off); shut down after."""
+    process per CPU) and Ray Data's own actors asked for as ``connect`` asks for them (a training run
+    starts them while it checks the data and builds the model); yields the DataContext (progress output
+    off); shut down after."""
     import ray
+
+    from ray_mmbatch.dataflow.pipeline import warm_up_ray_data
 
     ray.init("local", num_cpus=cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
+        warm_up_ray_data()
         ready = ray.remote(num_cpus=1)(_worker_ready)
         ray.get([ready.remote() for _ in range(cpus)])
         ctx = ray.data.DataContext.get_current()

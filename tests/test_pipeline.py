@@ -275,3 +275,30 @@ def test_local_batches_follow_the_ray_paths_order(ray_cluster, bad_webdataset):
     ray_batches = [list(r[S.BATCH_SAMPLE_IDS]) for r in _run(cfg) if int(r[S.BATCH_N_SAMPLES])]
     local = [list(b["sample_ids"]) for b in local_batches(cfg)]
     assert local == ray_batches
+
+
+def test_ray_data_actors_asked_for_at_connect_are_the_ones_the_executor_uses(ray_cluster):
+    """warm_up_ray_data (called by trainer.connect) starts Ray Data's stats actor, autoscaling coordinator and
+    actor location tracker ahead of the first dataset; the executor then finds those (named, get-if-exists)
+    instead of starting its own: one of each, alive, after a dataset ran."""
+    import ray
+    from ray._private.state import state
+    from ray.core.generated import gcs_pb2
+
+    from ray_mmbatch.dataflow.pipeline import warm_up_ray_data
+
+    names = ("_StatsActor", "_AutoscalingCoordinatorActor", "ActorLocationTracker")
+
+    def alive() -> dict[str, str]:
+        rows = [gcs_pb2.ActorTableData.FromString(t)
+                for t in state._connect_and_get_accessor().get_actor_table(None, None)]
+        live = [r for r in rows if r.class_name in names and r.state == gcs_pb2.ActorTableData.ALIVE]
+        assert len(live) == len({r.class_name for r in live}), live  # one of each
+        return {r.actor_id.hex(): r.class_name for r in live}
+
+    handles = warm_up_ray_data()
+    assert len(handles) == 3  # this Ray has all three where the warm-up looks (else it would only lose time)
+    ray.get([h.__ray_ready__.remote() for h in handles], timeout=60)
+    assert [h._actor_id.hex() for h in warm_up_ray_data()] == [h._actor_id.hex() for h in handles]  # get-if-exists
+    assert ray.data.range(64).map_batches(lambda b: b).count() == 64
+    assert alive() == {h._actor_id.hex(): n for h, n in zip(handles, names)}  # the executor used these

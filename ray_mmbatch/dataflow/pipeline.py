@@ -168,6 +168,31 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     return (ds, payloads) if return_payloads else ds
 
 
+def warm_up_ray_data() -> list:
+    """Ask for Ray Data's own actors now (its stats actor, autoscaling coordinator, actor location tracker:
+    each a worker process that imports Ray Data), without waiting: a run's first dataset starts them
+    anyway, as the streaming executor starts; asked for when the driver connects, they start while it
+    checks the data and builds the model. They are named, get-if-exists actors, so Ray Data finds these.
+    Best effort: a Ray release that moved them only loses the head start (pyproject pins ray < 2.64).
+    Returns the actor handles it got."""
+    try:
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+        from ray.data._internal.execution.node_trackers.actor_location import get_or_create_actor_location_tracker
+        from ray.data._internal.stats import get_or_create_stats_actor
+    except ImportError:
+        return []
+    handles = []
+    for start in (get_or_create_stats_actor, get_or_create_autoscaling_coordinator,
+                  get_or_create_actor_location_tracker):
+        try:
+            handles.append(start())
+        except Exception:  # noqa: BLE001 - a head start only; the executor creates (and reports) them itself
+            pass
+    return handles
+
+
 def set_deterministic(deterministic: bool) -> None:
     """Deterministic mode: preserve order so windows, plans and batch ids repeat run to run."""
     ctx = ray.data.DataContext.get_current()

@@ -91,6 +91,9 @@ def connect(num_cpus: int | None = None) -> None:
         ray.init("local", num_cpus=max(num_cpus or 0, os.cpu_count() or 2, 8), include_dashboard=False, **kw)
     # progress bars only for a person at a terminal; logs stay readable
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
+    from ray_mmbatch.dataflow.pipeline import warm_up_ray_data
+
+    warm_up_ray_data()  # Ray Data's actors start while the driver checks the data and builds the model
     from ray_mmbatch.run.raylogs import after_connect
 
     after_connect()  # a command's quiet console: Ray's internal lines off (run/raylogs.py)
