@@ -49,12 +49,13 @@ def _log_tail(log: Path, n: int = 3000) -> str:
         return ""
 
 
-def stop() -> None:
-    """End the reference interpreter (closing its stdin ends its loop), if one runs."""
+def stop(keep_log: bool = False) -> None:
+    """End the reference interpreter (closing its stdin ends its loop), if one runs; its log is removed unless
+    ``keep_log`` (a failure names it)."""
     global _server
     if _server is None:
         return
-    proc, _ = _server
+    proc, log = _server
     _server = None
     try:
         proc.stdin.close()
@@ -62,6 +63,8 @@ def stop() -> None:
     except Exception:  # noqa: BLE001 - it is going away either way
         proc.kill()
         proc.wait()
+    if not keep_log:
+        log.unlink(missing_ok=True)
 
 
 def run(call: str, *args: str, timeout: float = 600) -> None:
@@ -87,16 +90,15 @@ def run(call: str, *args: str, timeout: float = 600) -> None:
         proc.stdin.write(json.dumps({"call": call, "args": [str(a) for a in args]}) + "\n")
         proc.stdin.flush()
     except BrokenPipeError:
-        stop()
+        stop(keep_log=True)
         raise AssertionError(f"the reference interpreter died before {call}:\n{_log_tail(log)}") from None
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     line = proc.stdout.readline() if ready else ""
-    if not line:
-        died = proc.poll() is not None
+    if not line:  # ready with nothing to read: it closed its stdout (died); not ready: past the timeout
         proc.kill()
-        stop()
+        stop(keep_log=True)
         raise AssertionError(f"{call}{tuple(args)}: the reference interpreter "
-                             f"{'died' if died else f'took over {timeout} s'}:\n{_log_tail(log)}")
+                             f"{'died' if ready else f'took over {timeout} s'} (log {log}):\n{_log_tail(log)}")
     got = json.loads(line)
     assert got["ok"], f"{call}{tuple(args)} failed in the reference interpreter:\n{got['error']}\n" \
                       f"its log ends:\n{_log_tail(log)}"
