@@ -41,22 +41,27 @@ def test_auto_pools_grow_on_the_data_node_and_pinned_pools_that_cannot_fit_fail_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("which", ["data", "train"])
-def test_node_preempted_mid_epoch_trains_every_sample_exactly_once(tmp_path, which):
-    """The data node, or the train node holding the Train worker, is killed mid-epoch and a fresh one
-    added: every sample trained or reported once, and the driver showed the progress it got through Ray."""
+def test_node_preempted_mid_epoch_trains_every_sample_exactly_once(tmp_path):
+    """The data node, then the train node holding the Train worker, is killed mid-epoch and a fresh one
+    added (two runs, one after the other on one cluster: its start-up is shared): every sample trained or
+    reported once, and the driver showed the progress it got through Ray."""
     from ray_mmbatch.synthetic.generate import generate_dataset
 
     manifest = generate_dataset(str(tmp_path / "data"), 160, "parquet", seed=5, shard_size=50, workers=1)
-    proc = subprocess.run([sys.executable, str(NODE_LOSS), str(tmp_path / "data"), str(tmp_path / "run"), which],
-                          capture_output=True, text=True, timeout=900, cwd=Path(__file__).parents[1])
-    out = _result(proc)
-    assert out["removed_at_step"] is not None, f"the {which} node was never removed"
-    trained, skipped = out["trained"], out["skipped"]
-    assert len(trained) == len(set(trained)), "a sample was trained twice"
-    assert sorted(trained + skipped) == sorted(manifest["ids"]), "a sample was neither trained nor reported"
-    assert out["summary_samples"] == len(trained)
-    # the run files come from the driver (train/events.py), none from a rank's own disk
-    assert out["rank_files"] == [], out["rank_files"]
-    steps = [ln for ln in out["progress_lines"] if ln.startswith("step")]
-    assert len(steps) >= out["steps"] // 2 - 2 and out["progress_lines"][-1].startswith(f"step {out['steps']} "), out
+    proc = subprocess.run([sys.executable, str(NODE_LOSS), str(tmp_path / "data"), str(tmp_path / "run"),
+                           "data,train"], capture_output=True, text=True, timeout=1800, cwd=Path(__file__).parents[1])
+    _result(proc)  # exited 0 with a result
+    results = [json.loads(ln[len("RESULT "):]) for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert [out["which"] for out in results] == ["data", "train"], proc.stdout[-3000:] + proc.stderr[-3000:]
+    for out in results:
+        which = out["which"]
+        assert out["removed_at_step"] is not None, f"the {which} node was never removed"
+        trained, skipped = out["trained"], out["skipped"]
+        assert len(trained) == len(set(trained)), f"{which}: a sample was trained twice"
+        assert sorted(trained + skipped) == sorted(manifest["ids"]), f"{which}: a sample neither trained nor reported"
+        assert out["summary_samples"] == len(trained), which
+        # the run files come from the driver (train/events.py), none from a rank's own disk
+        assert out["rank_files"] == [], (which, out["rank_files"])
+        steps = [ln for ln in out["progress_lines"] if ln.startswith("step")]
+        assert len(steps) >= out["steps"] // 2 - 2 and out["progress_lines"][-1].startswith(f"step {out['steps']} "), \
+            out

@@ -322,23 +322,14 @@ def test_the_check_fails_on_wrong_targets(built, family, control):
 
 def _reference_turns(b, tmp_path, family: str) -> R.Derived:
     """tests/targets_reference.py's video case for ``family`` in the reference interpreter (HF's video processors
-    need torchvision): the derived turns of the conversation with R.video_clip() as HF's processor gives them."""
-    import os
-    import subprocess
-    from pathlib import Path
+    need torchvision; the session's one, tests/reference_server.py): the derived turns of the conversation with
+    R.video_clip() as HF's processor gives them."""
+    from tests import reference_server
 
-    root = Path(__file__).resolve().parents[1]
-    python = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON", str(root / ".venv-ref" / "bin" / "python"))
-    if not Path(python).is_file():
-        if os.environ.get("RAY_MMBATCH_REQUIRE_REFERENCE") == "1":
-            pytest.fail(f"the reference interpreter {python} is missing: run scripts/setup.sh --reference")
-        pytest.skip(f"no reference interpreter at {python} (scripts/setup.sh --reference makes it)")
+    reference_server.reference_python()  # skips (fails under RAY_MMBATCH_REQUIRE_REFERENCE=1) where there is none
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(R.video_clip())
-    done = subprocess.run([python, str(root / "tests" / "targets_reference.py"), str(b.ckpt), str(clip),
-                           str(tmp_path / "derived.json"), family], capture_output=True, text=True, timeout=600,
-                          cwd=root, env=dict(os.environ, PYTHONPATH=str(root)))
-    assert done.returncode == 0, done.stderr[-3000:]
+    reference_server.run("tests.targets_reference:main", b.ckpt, clip, tmp_path / "derived.json", family)
     got = json.loads((tmp_path / "derived.json").read_text())
     return R.Derived(got["ids"], [R.Turn(*t) for t in got["turns"]])
 

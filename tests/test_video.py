@@ -6,9 +6,9 @@ The clips are made here with PyAV (synthetic/video.py): H.264 with B-frames, MPE
 H.264 in Matroska, a variable-frame-rate clip, a rotated (portrait phone) clip, a thin one, a 1-frame one,
 and broken bytes. HF's video processors need torchvision, which does not load beside this project's CPU
 torch: the reference runs in a second interpreter (``scripts/setup.sh --reference`` makes .venv-ref with
-PyPI's torch 2.14.1 + torchvision 0.29.1 and this transformers; tests/video_reference.py), once per test
-session. Without it the reference tests skip, except under RAY_MMBATCH_REQUIRE_REFERENCE=1 (.ci/run),
-where they fail.
+PyPI's torch 2.14.1 + torchvision 0.29.1 and this transformers; tests/video_reference.py), one interpreter
+for the whole test session (tests/reference_server.py). Without it the reference tests skip, except under
+RAY_MMBATCH_REQUIRE_REFERENCE=1 (.ci/run), where they fail.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -47,12 +46,11 @@ from ray_mmbatch.models import qwen_vl
 from ray_mmbatch.models.hf_common import normalize_patches, normalize_video_patches
 from ray_mmbatch.models.inputs import batch_to_torch
 from ray_mmbatch.synthetic.video import clip_frames, encode_clip
+from tests import reference_server
 from tests.family_harness import TOLERANCE, image, png, token_ids
 from tests.family_harness import configure as harness_configure
 from tests.hf_checkpoints import make_qwen3_5_checkpoint, make_qwen_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-REFERENCE = os.environ.get("RAY_MMBATCH_REFERENCE_PYTHON", str(ROOT / ".venv-ref" / "bin" / "python"))
 _QWEN2_VIDEO = {"video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": True, "fps": 4.0,
                 "min_frames": 2, "max_frames": 12, "patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
                 "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 16 * 28 * 28},
@@ -175,37 +173,18 @@ def _built(backend, path: Path, name: str, **extra) -> SimpleNamespace:
     return SimpleNamespace(name=name, path=path, cfg=cfg, tok=tok, ids=ids, model=model, tol=TOLERANCE[name], **extra)
 
 
-def _reference_python() -> str | None:
-    if Path(REFERENCE).is_file():
-        return REFERENCE
-    if os.environ.get("RAY_MMBATCH_REQUIRE_REFERENCE") == "1":
-        pytest.fail(f"the reference interpreter {REFERENCE} is missing: run scripts/setup.sh --reference")
-    pytest.skip(f"no reference interpreter at {REFERENCE} (scripts/setup.sh --reference makes it)")
-    return None
-
-
 @pytest.fixture(scope="module")
 def reference(clips, family, tmp_path_factory):
     """HF's own video path on every clip (tests/video_reference.py in the reference interpreter)."""
-    python = _reference_python()
-    d = tmp_path_factory.mktemp("reference")
-    spec = d / "spec.json"
-    spec.write_text(json.dumps({"checkpoint": str(family.path), "clips": {k: str(v) for k, v in clips.paths.items()}}))
-    out = d / "out.npz"
-    done = subprocess.run([python, str(ROOT / "tests" / "video_reference.py"), str(spec), str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(np.load(out))
+    return _run_reference(family.path, clips.paths, tmp_path_factory.mktemp("reference"))
 
 
 def _run_reference(checkpoint: Path, clip_paths: dict, out_dir: Path, **spec) -> dict:
-    """tests/video_reference.py on ``clip_paths`` with ``checkpoint``'s video processor: HF's indices, grid, pixels."""
-    python = _reference_python()
+    """tests/video_reference.py on ``clip_paths`` with ``checkpoint``'s video processor: HF's indices, grid, pixels
+    (in the session's one reference interpreter, tests/reference_server.py)."""
     (out_dir / "spec.json").write_text(json.dumps({"checkpoint": str(checkpoint), **spec,
                                                    "clips": {k: str(v) for k, v in clip_paths.items()}}))
-    done = subprocess.run([python, str(ROOT / "tests" / "video_reference.py"), str(out_dir / "spec.json"),
-                           str(out_dir / "out.npz")], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    reference_server.run("tests.video_reference:main", out_dir / "spec.json", out_dir / "out.npz")
     return dict(np.load(out_dir / "out.npz"))
 
 
@@ -913,17 +892,10 @@ def _hf_frames(ref: dict, name: str, data: bytes, cfg, asked: int):
 def test_onevision_header_cost_and_pixels_equal_its_video_processor(clips, onevision, tmp_path):
     """Frames sampled, frames x 4 pooled features + 1 newline tokens, and the 42 px frames == HF's
     LlavaOnevisionVideoProcessor / LlavaOnevisionProcessor for every clip."""
-    python = _reference_python()
     cfg = onevision.cfg.image
     assert (cfg.video, cfg.video_sample_frames, cfg.video_fps, onevision.cfg.text.video_token) == \
         ("llava_onevision", True, 3.0, "<video>")
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"checkpoint": str(onevision.path), "num_image_tokens": 9,
-                                "clips": {k: str(v) for k, v in clips.paths.items()}}))
-    done = subprocess.run([python, str(ROOT / "tests" / "video_reference.py"), str(spec), str(tmp_path / "o.npz")],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ref = dict(np.load(tmp_path / "o.npz"))
+    ref = _run_reference(onevision.path, clips.paths, tmp_path, num_image_tokens=9)
     from ray_mmbatch.data.video import video_patches
 
     for name, data in clips.data.items():

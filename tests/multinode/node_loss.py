@@ -9,7 +9,10 @@ Prints one JSON line: the ledger's trained ids, the skipped ids and the progress
 driver showed, for the parent to check exactly-once. Every run file is written by the driver
 from what the ranks sent through Ray (train/events.py); the child checks that no rank wrote one.
 
-    python tests/multinode/node_loss.py DATA OUT [data|train] [samples|units|none]
+    python tests/multinode/node_loss.py DATA OUT [data|train|data,train] [samples|units|none]
+
+``data,train``: both, one after the other on the same cluster (its start-up shared; the node killed first is
+replaced before the second run starts), each run in OUT/<which>, one JSON line each.
 
 Before the fix in train/checkpoint.read_latest_position (fallback=False for the stream), 289-294
 of 300 samples were trained and none reported: the rebuilt stream left out the data position
@@ -30,27 +33,40 @@ NODES = {"data": {"num_cpus": 4, "resources": {"preprocess": 4}}, "train": {"num
 
 
 def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples") -> None:
-    import io
-
     import ray
     from ray.cluster_utils import Cluster
 
-    from ray_mmbatch.config import Config
     from ray_mmbatch.run.cluster import SHARED_ENV
-    from ray_mmbatch.run.progress import ProgressPrinter
-    from ray_mmbatch.train.trainer import run_training
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = {name: cluster.add_node(**args) for name, args in NODES.items()}
-    node = nodes[which]
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
-    out = Path(out_dir)
+    os.environ[SHARED_ENV] = "1"  # these nodes share this machine's disk: its OUTPUT_DIR/ray_storage reaches all
+    scenarios = which.split(",")
+    try:
+        for name in scenarios:
+            out = Path(out_dir) / name if len(scenarios) > 1 else Path(out_dir)
+            print("RESULT " + json.dumps({"which": name, **_preempted_run(cluster, nodes, data, out, name,
+                                                                             shuffle)}), flush=True)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _preempted_run(cluster, nodes: dict, data: str, out: Path, which: str, shuffle: str) -> dict:
+    """One epoch with the ``which`` node killed at step 4 and a fresh one added (``nodes[which]`` then)."""
+    import io
+
+    from ray_mmbatch.config import Config
+    from ray_mmbatch.run.progress import ProgressPrinter
+    from ray_mmbatch.train.trainer import run_training
+
+    node = nodes[which]
     cfg = Config()
     cfg.data.path, cfg.data.format, cfg.data.data_resource = data, "parquet", "preprocess"
     cfg.data.shuffle, cfg.data.shuffle_buffer = shuffle, 64  # batches flow before the epoch is measured
     cfg.budget.max_tokens, cfg.budget.window = 2048, 64
     cfg.train.output_dir, cfg.train.ledger = str(out), True
-    os.environ[SHARED_ENV] = "1"  # these nodes share this machine's disk: its OUTPUT_DIR/ray_storage reaches all
     cfg.train.report_every = cfg.train.checkpoint_every = 2
     cfg.train.max_steps, cfg.train.num_workers, cfg.train.max_failures = 0, 1, 4
     cfg.train.worker_resource = "train" if which == "train" else ""
@@ -67,21 +83,19 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
 
     t = threading.Thread(target=train, daemon=True)  # the main thread adds nodes (Ray needs it for signals)
     t.start()
-    try:
-        deadline = time.time() + 600
-        while t.is_alive() and time.time() < deadline and events["removed_at_step"] is None:
-            ledger = out / RunDir.LEDGER
-            steps = sum(len(p.read_text().splitlines()) for p in ledger.glob("rank*.jsonl")) if ledger.exists() else 0
-            if steps >= 4:
-                events["removed_at_step"] = steps
-                cluster.remove_node(node)  # SIGKILL of everything on it
-                time.sleep(3)
-                cluster.add_node(**NODES[which])
-            time.sleep(0.2)
-        t.join(900)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    deadline = time.time() + 600
+    while t.is_alive() and time.time() < deadline and events["removed_at_step"] is None:
+        ledger = out / RunDir.LEDGER
+        steps = sum(len(p.read_text().splitlines()) for p in ledger.glob("rank*.jsonl")) if ledger.exists() else 0
+        if steps >= 4:
+            events["removed_at_step"] = steps
+            cluster.remove_node(node)  # SIGKILL of everything on it
+            time.sleep(3)
+            nodes[which] = cluster.add_node(**NODES[which])
+        time.sleep(0.2)
+    t.join(900)
+    if t.is_alive():
+        raise TimeoutError(f"the {which} run did not end in 900 s")
     if "error" in result:
         raise result["error"]
     summary = result["summary"]
@@ -90,9 +104,9 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
     with open(out / RunDir.SKIPPED) as f:
         skipped = [r["sample_id"] for r in csv.DictReader(f)]
     rank_files = sorted(p.name for p in out.rglob("*rank*") if p.parent != out / RunDir.LEDGER)
-    print("RESULT " + json.dumps({"trained": trained, "skipped": skipped, "steps": summary["steps"], **events,
-                                  "summary_samples": summary["samples"], "rank_files": rank_files,
-                                  "progress_lines": console.getvalue().splitlines()}), flush=True)
+    return {"trained": trained, "skipped": skipped, "steps": summary["steps"], **events,
+            "summary_samples": summary["samples"], "rank_files": rank_files,
+            "progress_lines": console.getvalue().splitlines()}
 
 
 if __name__ == "__main__":
