@@ -21,7 +21,9 @@ from /proc as benchmarks/cpu_by_process.py does), which other load on the machin
 on the samples, the image tokens and the text tokens they produced (the same work is timed) or the
 script fails.
 
-    python benchmarks/bench_processor.py [--work /tmp/bench_proc] [--samples 3000] [--repeat 2] [--json PATH]
+    python benchmarks/bench_processor.py [--work /tmp/bench_proc] [--samples 3000] [--max-pixels N]
+                                         [--repeat 2] [--json PATH]
+    python benchmarks/bench_processor.py --in-process 384 ...    # each side's own work, one process
 """
 from __future__ import annotations
 
@@ -183,6 +185,53 @@ def run_inspect(work: Path, workers: int) -> dict:
             "image_tokens": round(r["image_tokens"]["sum"])}
 
 
+# ------------------------------------------------------------------ per sample, in one process
+def per_sample_cpu(work: Path, samples: int, repeat: int) -> dict:
+    """CPU ms per sample of each side's own work, in this one process (no Ray, no DataLoader workers),
+    alternating, best of ``repeat``: ours = the read of the LLaVA units + InspectStage (measure, decode,
+    resize, patchify to uint8), HF's = ProcessorCollate over batches of 8. What the Ray shell and the
+    DataLoader's workers add on top is the difference to the whole-process figures."""
+    import pyarrow as pa
+
+    from ray_mmbatch.cli import config_from_args
+    from ray_mmbatch.commands.inspect_data import build_parser
+    from ray_mmbatch.dataflow.inspection import InspectStage
+    from ray_mmbatch.formats.units import read_units, read_with_position
+    from ray_mmbatch.run.preflight import configure_run
+
+    args = build_parser().parse_args(["--data", str(work / "data.json"), "--image-root", str(work / "images"),
+                                      "--model", str(work / "ckpt")])
+    cfg = configure_run(config_from_args(args))
+    units, read_fn, kw = read_units(cfg.data.path, cfg.data)
+    stage = InspectStage(cfg.image, cfg.text, cfg.data.measure_batch, True)
+    collate, records = ProcessorCollate(work / "ckpt", work / "images"), Records(work)
+
+    def ours() -> int:
+        n = 0
+        for i, u in enumerate(units):
+            t = read_with_position(pa.Table.from_pylist([dict(u, unit=i, end=False)]), read_fn=read_fn,
+                                   read_kwargs=kw, done=None, split=None)
+            stage(t)
+            n += t.num_rows
+            if n >= samples:
+                return n
+        return n
+
+    def hf() -> int:
+        for i in range(0, samples, 8):
+            collate([records[j] for j in range(i, min(samples, i + 8))])
+        return samples
+
+    best = {"ours": float("inf"), "hf": float("inf")}
+    ours(), hf()  # imports, caches
+    for _ in range(repeat):
+        for side, fn in (("ours", ours), ("hf", hf)):
+            c0 = time.process_time()
+            n = fn()
+            best[side] = min(best[side], 1000 * (time.process_time() - c0) / n)
+    return {"ours_ms": best["ours"], "hf_ms": best["hf"], "ratio": best["hf"] / best["ours"]}
+
+
 # ------------------------------------------------------------------ driver
 def timed_side(side: str, args) -> dict:
     """One side in a fresh process: its wall time, and the CPU seconds of its whole process tree (Ray's
@@ -216,6 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="DataLoader num_workers = inspect's actors")
     p.add_argument("--batch-size", type=int, default=8, help="DataLoader batch (TRL's default per device)")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--in-process", type=int, default=0, metavar="N",
+                   help="instead: CPU ms per sample of each side's own work on the first N samples, in this one "
+                        "process (no Ray shell, no DataLoader workers), best of --repeat")
     p.add_argument("--side", choices=("dataloader", "inspect"), help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
@@ -226,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(fn))
         return 0
     setup = prepare(work, args.samples, args.photos, args.max_pixels)
+    if args.in_process:
+        r = per_sample_cpu(work, args.in_process, args.repeat)
+        print(f"CPU ms per sample, in one process, best of {args.repeat} over {args.in_process} samples: ours "
+              f"{r['ours_ms']:.2f}, HF processor {r['hf_ms']:.2f}: {r['ratio']:.2f}x less")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"setup": setup, **r}, indent=1))
+        return 0
     rows = []
     print(f"{'run':>3} {'side':<10} {'samples':>7} {'tokens':>9} {'wall s':>7} {'samples/s':>9} {'ray/DL':>6} "
           f"{'CPU s':>6} {'CPU ms/sample':>13} {'DL/ray CPU':>10} {'load':>5}")
