@@ -191,9 +191,8 @@ def _locate(ref, image_root: str, what: str = IMAGE) -> tuple[str | None, str, b
     else:
         if os.path.isabs(ref):
             return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref), False
-        root = os.path.realpath(fs.local_path(image_root))
-        location = os.path.realpath(os.path.join(root, ref))  # resolves '..' and symlinks without opening
-        if os.path.commonpath([root, location]) != root:
+        location = _inside(_local_root(image_root), ref)
+        if location is None:
             return None, error(schema.SKIP_PATH_OUTSIDE_ROOT, ref), False
     found = fs.kind(location)
     if found == "missing":
@@ -209,11 +208,14 @@ def _local_root(image_root: str) -> str | None:
     return None if fs.is_uri(image_root) else os.path.realpath(fs.local_path(image_root))
 
 
-@functools.lru_cache(maxsize=4096)
-def _real_dir(root: str, parent: str) -> str | None:
-    """The real path of folder ``parent`` (relative) under ``root``; None when it resolves outside it."""
-    real = os.path.realpath(os.path.join(root, parent))
+def _inside(root: str, rel: str) -> str | None:
+    """The real path of ``rel`` under the real folder ``root`` ('..' and symlinks resolved without opening);
+    None when it resolves outside the root."""
+    real = os.path.realpath(os.path.join(root, rel))
     return real if os.path.commonpath([root, real]) == root else None
+
+
+_real_dir = functools.lru_cache(maxsize=4096)(_inside)  # a folder's, per process: the one-open read's
 
 
 def _local_bytes(ref, image_root: str, max_bytes: int) -> bytes | None:
