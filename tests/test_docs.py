@@ -30,6 +30,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -296,6 +297,7 @@ def run_shell_block(block: Block, text: str, cwd: Path, env: dict[str, str]) -> 
             continue
         saved = dict(os.environ)
         os.environ.update(env)
+        started = time.perf_counter()
         try:
             rc = _in_process(words)
         finally:
@@ -308,6 +310,7 @@ def run_shell_block(block: Block, text: str, cwd: Path, env: dict[str, str]) -> 
             rc = proc.returncode
             printed.append(proc.stdout)
             print(proc.stdout[-4000:], proc.stderr[-4000:])
+        print(f"[docs] {time.perf_counter() - started:6.1f} s  {block.page}:{block.line}  {line.strip()[:120]}")
         if rc != 0 and block.exit == 0:
             raise AssertionError(f"{block.page}:{block.line}: `{line.strip()}` exited {rc}")
     missing = missing_lines("".join(printed), block.expected) if block.prints else []

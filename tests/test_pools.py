@@ -89,3 +89,39 @@ def test_train_workers_go_only_where_their_resource_is():
     check_fits(cfg, two, pool_sizes(cfg, two))
     cfg.train.worker_resource = ""  # without it the same cluster fits: the data node has CPUs to spare
     check_fits(cfg, one_slot, pool_sizes(cfg, one_slot))
+
+
+def test_a_small_epoch_runs_each_pool_on_one_actor_and_a_pinned_size_stays():
+    """At most SMALL_EPOCH samples (the listing's count): 1 + 1 actors, whatever the cluster offers; more, or
+    an unknown count (WebDataset shards), sizes as before; --preprocess-workers N is never overridden."""
+    from ray_mmbatch.dataflow.pools import SMALL_EPOCH
+
+    nodes = _nodes(("n", {"CPU": 16.0}, True))
+    small = pool_sizes(_cfg(), nodes, samples=SMALL_EPOCH)
+    assert small.auto and small.measure == small.materialize == (1, 1)
+    check_fits(_cfg(), nodes, small)
+    for samples in (SMALL_EPOCH + 1, None):
+        assert pool_sizes(_cfg(), nodes, samples=samples) == pool_sizes(_cfg(), nodes)
+    assert pool_sizes(_cfg(), nodes).measure[0] == 2
+    pinned = pool_sizes(_cfg(preprocess_workers=3), nodes, samples=10)
+    assert pinned.measure == pinned.materialize == (3, 3) and not pinned.auto
+
+
+def test_the_listing_counts_an_epoch_without_reading_images(tmp_path):
+    """formats/units.listed_rows: Parquet and LLaVA counts come from the listing; WebDataset shards give None
+    (exact) or SHARD_ROWS each; a blend gives its epoch's targets."""
+    from ray_mmbatch.config import DataConfig
+    from ray_mmbatch.formats.units import SHARD_ROWS, listed_rows, read_units
+    from ray_mmbatch.synthetic.generate import generate_dataset
+
+    for fmt, n in (("parquet", 40), ("llava", 30), ("webdataset", 20)):
+        generate_dataset(str(tmp_path / fmt), n, fmt, seed=1, shard_size=10, workers=1)
+        reader = read_units(str(tmp_path / fmt), DataConfig(path=str(tmp_path / fmt)))
+        if fmt == "webdataset":
+            assert listed_rows(reader) is None and listed_rows(reader, exact=False) == 2 * SHARD_ROWS
+        else:
+            assert listed_rows(reader) == n
+    blend = apply_overrides(Config(), {"data.sources": [{"path": str(tmp_path / "parquet"), "weight": 1.0},
+                                                        {"path": str(tmp_path / "llava"), "weight": 1.0}],
+                                       "data.epoch_samples": 50}).data
+    assert listed_rows(read_units("", blend)) == 50

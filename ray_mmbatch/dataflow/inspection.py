@@ -97,10 +97,14 @@ def image_bytes_per_row(images) -> np.ndarray:
     return np.bincount(rows, weights=lengths, minlength=n).astype(np.int64)
 
 
-def inspect_workers(cfg: Config) -> int:
-    """Actors for the data check: data.preprocess_workers (auto: 2), at most the cluster's CPUs (one process
-    per core)."""
-    workers = max(1, cfg.data.preprocess_workers or 2)
+def inspect_workers(cfg: Config, samples: int | None = None) -> int:
+    """Actors for the data check: data.preprocess_workers (auto: 2, or 1 for at most pools.SMALL_EPOCH
+    ``samples``, where a second actor's start costs more than it saves), at most the cluster's CPUs (one
+    process per core)."""
+    from ray_mmbatch.dataflow.pools import SMALL_EPOCH
+
+    auto = 1 if samples is not None and samples <= SMALL_EPOCH else 2
+    workers = max(1, cfg.data.preprocess_workers or auto)
     if ray.is_initialized():  # else Ray Data starts a local cluster of this machine's cores
         return max(1, min(workers, int(ray.cluster_resources().get("CPU", 1))))
     return workers
@@ -132,7 +136,6 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
     from ray_mmbatch.dataflow.read import read_raw
 
     t0 = time.perf_counter()
-    workers = inspect_workers(cfg)
     # batch_size=None: one call per read block. Ray fuses the read into this actor stage and,
     # given a row count, would bundle read units (row groups) until it has that many ROWS OF
     # UNITS - for Parquet that packed every row group into one task on one actor.
@@ -142,16 +145,18 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
 
         data = without_weights(data)
     from ray_mmbatch.formats.splits import expand
-    from ray_mmbatch.formats.units import listing_summary, read_units
+    from ray_mmbatch.formats.units import listed_rows, listing_summary, read_units
 
     data = expand(data)
     reader = read_units(data.path, data)
     listing = listing_summary(reader, data)
     if decode not in ("auto", "on", "off"):
         raise ValueError(f"decode must be auto, on or off, got {decode!r}")
-    listed = _rows_listed(reader)
+    exact = listed_rows(reader)
+    listed = listed_rows(reader, exact=False) if exact is None else exact
     if progress is not None:
-        progress.total = listed if _listed_exactly(reader) else None
+        progress.total = exact
+    workers = inspect_workers(cfg, exact)
     decoding = decode == "on" or (decode == "auto" and listed <= DECODE_AUTO_MAX)
     ds = read_raw(data.path, data, reader=reader).map_batches(
         InspectStage, batch_size=None, batch_format="pyarrow",
@@ -214,28 +219,6 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
     }
 
 
-def _rows_listed(reader: tuple) -> int:
-    """Rows a listing will yield, from the listing alone (formats' ``count``); a tar shard's count would read
-    its headers (a stream per shard on an object store), so shards count as SHARD_ROWS each."""
-    from ray_mmbatch import formats
-    from ray_mmbatch.formats.sources import SOURCE
-
-    units, _, kwargs = reader
-    specs = kwargs.get("sources") or [("", kwargs["fmt"], kwargs["data_cfg"])]
-    total = 0
-    for k, (_, fmt, cfg) in enumerate(specs):
-        mine = [u for u in units if int(u.get(SOURCE, 0)) == k]
-        total += len(mine) * SHARD_ROWS if fmt == "webdataset" else formats.FORMATS[fmt].count(mine, cfg)
-    return total
-
-
-def _listed_exactly(reader: tuple) -> bool:
-    """Whether ``_rows_listed`` is a count (every format but WebDataset, whose shards it guesses)."""
-    units, _, kwargs = reader
-    return all(fmt != "webdataset" for _, fmt, _ in (kwargs.get("sources") or [("", kwargs["fmt"], None)]))
-
-
-SHARD_ROWS = 1_000  # a WebDataset shard's samples, as --decode auto guesses them (img2dataset writes 10,000)
 
 
 def _blend_plan(cfg: Config, per_source: dict[str, dict]) -> dict[str, dict]:

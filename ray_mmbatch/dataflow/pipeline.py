@@ -62,15 +62,16 @@ def _pool(size: tuple[int, int]):
     return ray.data.ActorPoolStrategy(min_size=size[0], max_size=size[1])
 
 
-def pools_for(cfg: Config, check: bool = False):
+def pools_for(cfg: Config, check: bool = False, samples: int | None = None):
     """The pool sizes for the connected cluster (pools.py); without a running Ray, the auto sizes of
     an empty cluster. ``check``: raise pools.ResourceError when they cannot be placed (the driver's
     pre-flight). A stream rebuilt after a node loss does not check: the node may be coming back,
-    and a stream that never gets its actors ends at data.stall_timeout_s (train/stall.py)."""
+    and a stream that never gets its actors ends at data.stall_timeout_s (train/stall.py).
+    ``samples``: the epoch's sample count where it is known: a small epoch runs on one actor a pool."""
     from ray_mmbatch.dataflow.pools import alive_nodes, check_fits, pool_sizes
 
     nodes = alive_nodes(ray.nodes()) if ray.is_initialized() else []
-    sizes = pool_sizes(cfg, nodes)
+    sizes = pool_sizes(cfg, nodes, samples)
     if check and nodes:
         check_fits(cfg, nodes, sizes)
     return sizes
@@ -87,7 +88,7 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     """
     from ray_mmbatch.data.split import train_split
     from ray_mmbatch.dataflow.read import read_raw
-    from ray_mmbatch.formats.units import for_epoch, read_units
+    from ray_mmbatch.formats.units import for_epoch, listed_rows, read_units
 
     reader = for_epoch(reader or read_units(cfg.data.path, cfg.data), cfg.train.seed, epoch)  # a blend's copies
     order = epoch_unit_order(reader, cfg.data, cfg.train.seed, epoch)
@@ -97,13 +98,13 @@ def measured_dataset(cfg: Config, epoch: int = 0, end_marker: bool = False, done
     return ds.map_batches(  # batch_size=None: one task per read block (MeasureStage.__call__ says why)
         MeasureStage, batch_size=None, batch_format="numpy",
         fn_constructor_args=(cfg.image, cfg.text, cfg.budget, payloads, cfg.data.measure_batch),
-        compute=_pool((pools or pools_for(cfg)).measure),
+        compute=_pool((pools or pools_for(cfg, samples=listed_rows(reader))).measure),
         **stage_args(cfg),
     )
 
 
 def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch: int = 0,
-                  return_payloads: bool = False, reader: tuple | None = None):
+                  return_payloads: bool = False, reader: tuple | None = None, samples: int | None = None):
     """The whole data path of one epoch for training: one BATCH row per planned batch.
 
     ``position`` (resume) is a checkpoint's data position (data.position.DataPosition's
@@ -114,17 +115,19 @@ def batch_dataset(cfg: Config, pad_id: int, position: dict | None = None, epoch:
     own; batch ids start with ``e{epoch}/``. ``return_payloads``: return
     (dataset, the payload store) to read the holders' ``stats()`` after the pass. ``reader``: the run's
     listing (formats/units.read_units), when the caller listed already (trainer.build_trainer does, once).
+    ``samples``: the epoch's sample count when the caller counted it (else the listing's, where it has one):
+    an epoch of at most pools.SMALL_EPOCH samples runs each pool on one actor.
     """
     from ray_mmbatch.data.position import DataPosition
     from ray_mmbatch.dataflow.payloads import RayPayloads
-    from ray_mmbatch.formats.units import check_listing, listing_digest, read_units
+    from ray_mmbatch.formats.units import check_listing, listed_rows, listing_digest, read_units
 
     done = DataPosition.from_state(position).epochs.get(epoch)
     stateful = uses_plan_actor(cfg.budget, cfg.data)  # the plan stage shuffles or carries
     reader = reader or read_units(cfg.data.path, cfg.data)
     check_listing(position, listing_digest(reader[0]), cfg.data.path)  # the indices must mean the same units
     # measured rows wait in holder actors that live as long as this dataset; over the cap they spill (payloads.py)
-    pools = pools_for(cfg)
+    pools = pools_for(cfg, samples=listed_rows(reader) if samples is None else samples)
     payloads = RayPayloads(holders=max(1, pools.measure[1]), recent=max(1024, cfg.budget.window),
                            cap_bytes=cfg.data.payload_memory_mb * 2**20,
                            spill_dir=cfg.data.payload_spill_dir or None,

@@ -10,6 +10,12 @@ small so they can shrink again when nodes leave::
     measure      (min 2, max ceil(usable * MEASURE_SHARE))
     materialize  (min 2, max usable - measure's max)              decode is most of the work
                  (min 1 each where 2 + 2 actors and the plan actor do not fit; max never below min)
+    an epoch of at most SMALL_EPOCH samples (the listing's count): 1 + 1, and one payload holder
+
+A small epoch's whole pass is less work than starting a second actor: a worker process's start and
+imports cost ~1-1.5 CPU-seconds, measure ~0.5 ms and decode ~2.5 ms a sample (benchmarks/RESULTS.md,
+"Training path"), so for 512 samples a second measure actor saves ~0.13 s of work and a second
+materialize actor ~0.6 s, against its own start (and on a small machine, the CPU it takes from the rest).
 
 ``MEASURE_SHARE``: in the training path measure ran ~3.4 s of CPU against materialize's
 ~15 s for the same 6,000 samples (benchmarks/RESULTS.md "Training path"), ~1/5 of the work.
@@ -32,6 +38,8 @@ MEASURE_SHARE = 0.2
 #: CPU slots auto sizing leaves free for Ray Data's short tasks (from_items, repartition) and the
 #: plan actor; the read runs fused into the measure actors.
 TASK_RESERVE = 1.25
+#: Epochs of at most this many samples (as listed) run each pool on one actor (module header).
+SMALL_EPOCH = 512
 #: The one plan actor's CPU: planning a window takes milliseconds; it must not hold a whole slot.
 PLAN_CPUS = 0.25
 
@@ -71,13 +79,16 @@ def preprocess_slots(cfg: Config, nodes: list[dict[str, float]]) -> float:
     return max(0.0, sum(n.get("CPU", 0.0) for n in nodes) - _train_cpus(cfg))
 
 
-def pool_sizes(cfg: Config, nodes: list[dict[str, float]]) -> PoolSizes:
-    """The measure / materialize pool sizes for this cluster (explicit or auto)."""
+def pool_sizes(cfg: Config, nodes: list[dict[str, float]], samples: int | None = None) -> PoolSizes:
+    """The measure / materialize pool sizes for this cluster (explicit or auto). ``samples``: the epoch's
+    sample count where the listing knows it (None: unknown, sized as a large epoch)."""
     slots = preprocess_slots(cfg, nodes)
     fixed = cfg.data.preprocess_workers
     if fixed is not None and int(fixed) > 0:
         n = int(fixed)
         return PoolSizes((n, n), (n, n), slots, auto=False)
+    if samples is not None and samples <= SMALL_EPOCH:
+        return PoolSizes((1, 1), (1, 1), slots, auto=True)
     usable = max(2, int(slots - TASK_RESERVE))
     floor = 2 if slots >= 4 + PLAN_CPUS else 1  # start at 2 + 2 where the slots hold them
     measure = max(floor, math.ceil(usable * MEASURE_SHARE))

@@ -93,6 +93,32 @@ def _unit_rows(path: str, data_cfg, fmt: str, units: list[dict]) -> list[int]:
     return listing.remembered(("unit_rows", path, listing.settings_key(data_cfg)), compute, list)
 
 
+#: A WebDataset shard's samples where a count must not read the shards (img2dataset writes 10,000)
+SHARD_ROWS = 1_000
+
+
+def listed_rows(reader: tuple, exact: bool = True) -> int | None:
+    """Rows an epoch of ``read_units``' listing yields, from the listing alone (formats' ``count``; a blend: its
+    epoch's targets). A tar shard's count would read its headers (a stream per shard on an object store): with
+    ``exact`` a listing with shards gives None, else each shard counts as SHARD_ROWS."""
+    from ray_mmbatch.formats.sources import SOURCE
+
+    units, _, kwargs = reader
+    if kwargs.get("blend") is not None:
+        return int(sum(kwargs["blend"].targets))
+    specs = kwargs.get("sources") or [("", kwargs["fmt"], kwargs["data_cfg"])]
+    total = 0
+    for k, (_, fmt, cfg) in enumerate(specs):
+        mine = [u for u in units if int(u.get(SOURCE, 0)) == k] if kwargs.get("sources") else units
+        if fmt == "webdataset":
+            if exact:
+                return None
+            total += len(mine) * SHARD_ROWS
+        else:
+            total += formats.FORMATS[fmt].count(mine, cfg)
+    return total
+
+
 def for_epoch(reader: tuple, seed: int, epoch: int) -> tuple:
     """``read_units``' result for one epoch of a blend (which copies each row gets depends on it)."""
     units, fn, kwargs = reader

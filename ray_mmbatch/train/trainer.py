@@ -216,7 +216,7 @@ def build_trainer(cfg: Config, run_name: str | None = None, callbacks: list | No
             set_deterministic(cfg.train.deterministic)
             ray.data.DataContext.get_current().enable_progress_bars = progress
             position = ckpt.read_latest_position(out, fs.join(storage, name), fallback=False)  # never ahead
-            return batch_dataset(cfg, ids["pad_id"], position=position, epoch=epoch, reader=reader)
+            return batch_dataset(cfg, ids["pad_id"], position=position, epoch=epoch, reader=reader, samples=per_epoch)
         return build
 
     # One dataset per epoch, iterated one after the other by every rank (train/loop.py):
@@ -306,7 +306,7 @@ def run_training(cfg: Config, plan: dict[str, Any] | None = None) -> dict[str, A
 
     stopped = Path(cfg.train.output_dir) / RunDir.STOPPED
     stopped.unlink(missing_ok=True)  # from an earlier run in this dir
-    sizes = pools_for(cfg, check=True)  # ResourceError now, not a stream waiting forever for slots
+    sizes = pools_for(cfg, check=True, samples=plan.get("samples_per_epoch"))  # ResourceError now, not a stream waiting forever for slots
     print(f"[ray_mmbatch] preprocessing: measure {sizes.measure[0]}-{sizes.measure[1]}, materialize "
           f"{sizes.materialize[0]}-{sizes.materialize[1]} actors of {sizes.slots:g} CPU slots "
           f"({'auto' if sizes.auto else '--preprocess-workers'})", flush=True)
