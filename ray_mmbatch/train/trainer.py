@@ -306,7 +306,8 @@ def run_training(cfg: Config, plan: dict[str, Any] | None = None) -> dict[str, A
 
     stopped = Path(cfg.train.output_dir) / RunDir.STOPPED
     stopped.unlink(missing_ok=True)  # from an earlier run in this dir
-    sizes = pools_for(cfg, check=True, samples=plan.get("samples_per_epoch"))  # ResourceError now, not a stream waiting forever for slots
+    # ResourceError now, not a stream waiting forever for slots; the count sizes a small epoch's pools
+    sizes = pools_for(cfg, check=True, samples=plan.get("samples_per_epoch"))
     print(f"[ray_mmbatch] preprocessing: measure {sizes.measure[0]}-{sizes.measure[1]}, materialize "
           f"{sizes.materialize[0]}-{sizes.materialize[1]} actors of {sizes.slots:g} CPU slots "
           f"({'auto' if sizes.auto else '--preprocess-workers'})", flush=True)
