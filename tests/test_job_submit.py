@@ -55,7 +55,7 @@ def _wait_dashboard(port: int, env: dict, head, log: Path, timeout: float = 120)
 @pytest.mark.slow
 def test_ray_start_then_job_submit_with_token_auth(tmp_path, small_parquet_dataset):
     token = secrets.token_hex(32)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k.startswith("RAY_TRAIN_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, PATH=f"{BIN}:{env.get('PATH', '')}")
     gcs, dash, agent_http, agent_grpc, runtime_env, metrics, client = _free_ports(7)
     # a short temp dir: Ray's unix sockets live under it and must stay under ~107 characters
