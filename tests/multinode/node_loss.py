@@ -38,7 +38,11 @@ def main(data: str, out_dir: str, which: str = "data", shuffle: str = "samples")
 
     from ray_mmbatch.run.cluster import SHARED_ENV
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    # A killed node is declared dead after health_check_failure_threshold failed checks health_check_period_ms
+    # apart (Ray's defaults: 5 x 3 s); a killed raylet refuses at once, so 3 x 1 s finds it in ~3 s, while a
+    # live one still has health_check_timeout_ms (10 s) to answer each check on this loaded machine
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": {
+        "health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
     nodes = {name: cluster.add_node(**args) for name, args in NODES.items()}
     ray.init(address=cluster.address, log_to_driver=False, configure_logging=False)
     os.environ[SHARED_ENV] = "1"  # these nodes share this machine's disk: its OUTPUT_DIR/ray_storage reaches all
