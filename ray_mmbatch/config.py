@@ -417,8 +417,9 @@ class DataConfig:
     preprocess_workers: int | None = flag("--preprocess-workers", None)
     """Actors of each of the measure and materialize pools (1 CPU each); None / 'auto' = sized from the
     cluster: the pools start at 2 and may grow to the CPU slots the nodes offering --data-resource have (or
-    the whole cluster's less the Train workers'), measure ~1/5 and materialize the rest (pools.py). A number
-    pins both pools at that size; a run whose pools cannot be placed stops at start saying why."""
+    the whole cluster's less the Train workers'), measure ~1/5 and materialize the rest; an epoch of at most
+    512 samples runs each pool on one actor (pools.py). A number pins both pools at that size; a run whose
+    pools cannot be placed stops at start saying why."""
     sources: list = field(default_factory=list)
     """Several datasets trained together (instead of ``path``): a list of mappings, each with ``path`` and
     optionally ``name``, ``weight`` and any data setting of its own (``format``, ``image_root``, the column
