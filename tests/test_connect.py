@@ -137,3 +137,27 @@ def test_only_an_address_where_nothing_listens_is_dead():
         server.listen()
         assert join_check(f"127.0.0.1:{server.getsockname()[1]}", timeout=1.0) == "?"
     assert join_check("ray://head:10001") == "?" and join_check("auto") == "?"  # Ray Client / Ray's own lookup
+
+
+LOCAL = """
+import json, os, ray
+from ray_mmbatch.train.trainer import connect
+connect(num_cpus=2)
+seen = ray.get(ray.remote(lambda: os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")).remote())
+print("RESULT " + json.dumps({"seen": seen}))
+"""
+
+
+@pytest.mark.ray
+def test_a_cluster_started_here_polls_train_workers_twice_a_second():
+    """Ray Train's controller noticed a finished run up to ~4 s late at its 2 s default; the cluster connect()
+    starts has every process inherit a 0.5 s poll (a value the user set is kept: os.environ.setdefault).
+    A fresh process, starting (and stopping) its own local cluster."""
+    from ray_mmbatch.train.trainer import LOCAL_TRAIN_POLL_S, TRAIN_POLL_ENV
+
+    short = Path(tempfile.mkdtemp(prefix="rmp", dir="/tmp"))  # Ray's socket paths must stay short
+    try:
+        base = {k: v for k, v in _env(RAY_TMPDIR=str(short)).items() if k not in (TRAIN_POLL_ENV, "RAY_ADDRESS")}
+        assert _run(LOCAL, base)["seen"] == LOCAL_TRAIN_POLL_S == "0.5"
+    finally:
+        shutil.rmtree(short, ignore_errors=True)

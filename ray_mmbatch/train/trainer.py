@@ -63,6 +63,10 @@ def _running_cluster() -> str | None:
         return os.environ.get("RAY_ADDRESS") or None
 
 
+#: Ray Train's controller poll of its workers (Ray's default 2 s) on a cluster ``connect`` starts itself
+TRAIN_POLL_ENV, LOCAL_TRAIN_POLL_S = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5"
+
+
 def connect(num_cpus: int | None = None) -> None:
     """Join a running cluster (RAY_ADDRESS, or one from ``ray start``), else start one here.
 
@@ -88,6 +92,10 @@ def connect(num_cpus: int | None = None) -> None:
         # cores (2 here) they can leave the read, a Train worker or a Tune trial no slot
         # and the stream stalls. Logical slots over the core count only let the stages
         # interleave (the pools are sized from the slots, pools.py).
+        # Ray Train's controller polls its workers every 2 s (Ray's default), so a finished run, or
+        # a tune trial, waited up to ~4 s more for it to notice (benchmarks/RESULTS.md, "A small
+        # run's fixed cost"); the cluster started here (its processes inherit this) polls every 0.5 s.
+        os.environ.setdefault(TRAIN_POLL_ENV, LOCAL_TRAIN_POLL_S)
         ray.init("local", num_cpus=max(num_cpus or 0, os.cpu_count() or 2, 8), include_dashboard=False, **kw)
     # progress bars only for a person at a terminal; logs stay readable
     ray.data.DataContext.get_current().enable_progress_bars = sys.stderr.isatty()
