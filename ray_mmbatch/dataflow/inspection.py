@@ -219,8 +219,6 @@ def inspect_dataset(cfg: Config, decode: str = "auto", progress=None) -> dict[st
     }
 
 
-
-
 def _blend_plan(cfg: Config, per_source: dict[str, dict]) -> dict[str, dict]:
     """A blend's weight and the samples each epoch draws from every source, beside what it holds."""
     from ray_mmbatch.formats.sources import blended, data_sources
