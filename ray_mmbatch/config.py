@@ -183,6 +183,11 @@ class TextConfig:
     image_break: str = ""
     """Pixtral / Mistral 3 ('[IMG_BREAK]'): the token that closes each row of an image's tokens but the last
     (the last closes with image_block's end token); measure writes one image token per row (data/row_breaks.py)."""
+    tokenizer_class: str = ""
+    """Set by ``configure`` (not a setting): the class AutoTokenizer chose for ``tokenizer`` and a digest of what
+    it loaded ('module:Class:digest'). Preprocessing actors load that class directly, without AutoTokenizer's
+    config machinery (which imports torch: ~1.7 CPU s an actor), and fall back to AutoTokenizer when the digest
+    differs. '' = AutoTokenizer everywhere."""
 
 
 @dataclass

@@ -154,7 +154,7 @@ def configure(cfg):
     uri = cfg.model.path
     local = local_checkpoint(uri)
     if local == uri:
-        return get_backend(cfg).configure(cfg)
+        return _resolve_tokenizer(get_backend(cfg).configure(cfg))
     cfg.model.path = local
     try:
         cfg = get_backend(cfg).configure(cfg)
@@ -162,6 +162,17 @@ def configure(cfg):
         cfg.model.path = uri
     if cfg.text.tokenizer == local:
         cfg.text.tokenizer = uri
+    return _resolve_tokenizer(cfg)
+
+
+def _resolve_tokenizer(cfg):
+    """text.tokenizer_class: which class this process's AutoTokenizer loaded, so that the preprocessing actors
+    load it directly (data/text/tokenizer.py); '' when it is not a checkpoint's tokenizer."""
+    from ray_mmbatch.data.text.tokenizer import load_tokenizer, resolved_class
+
+    cfg.text.tokenizer_class = ""
+    if cfg.text.tokenizer:
+        cfg.text.tokenizer_class = resolved_class(load_tokenizer(cfg.text.tokenizer, cfg.text.chat_template))
     return cfg
 
 

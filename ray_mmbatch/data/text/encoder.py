@@ -47,7 +47,7 @@ from ray_mmbatch.data.text.tokenizer import load_tokenizer, special_ids, token_i
 
 def tokenizer_for(text_cfg) -> Any:
     """load_tokenizer for a TextConfig, checked: its image_token is in the vocabulary."""
-    tok = load_tokenizer(text_cfg.tokenizer, text_cfg.chat_template)
+    tok = load_tokenizer(text_cfg.tokenizer, text_cfg.chat_template, getattr(text_cfg, "tokenizer_class", ""))
     image_token_id(tok, text_cfg)
     return tok
 

@@ -11,7 +11,7 @@ imports torch).
 """
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
 import os
 import weakref
@@ -23,7 +23,7 @@ from ray_mmbatch import schema as S
 SHIPPED_TOKENIZER = Path(__file__).resolve().parents[2] / "assets" / "tokenizer"
 
 
-def load_tokenizer(path: str = "", chat_template: str = "auto"):
+def load_tokenizer(path: str = "", chat_template: str = "auto", resolved: str = ""):
     """A fast HF tokenizer (cached per process, path and chat_template).
 
     Empty path = the byte-level BPE shipped in ray_mmbatch/assets/tokenizer. Template
@@ -31,28 +31,88 @@ def load_tokenizer(path: str = "", chat_template: str = "auto"):
     (the checkpoint's embeddings fit it); a missing pad token becomes eos (else unk).
     Plain mode adds the missing schema.SPECIAL_TOKENS (the vocabulary may grow; the
     model reads ``len(tok)``) and a pad token when there is none.
+
+    ``resolved``: what ``resolved_class`` said of this tokenizer where AutoTokenizer loaded it (the driver,
+    through ``configure``: TextConfig.tokenizer_class): the class is loaded directly, skipping AutoTokenizer's
+    config machinery, which imports torch (~1.7 CPU s a preprocessing actor); loaded otherwise (or
+    AutoTokenizer again) when the digest differs.
     """
     if chat_template not in ("auto", "plain"):
         raise ValueError(f"chat_template must be 'auto' or 'plain', got {chat_template!r}")
     from ray_mmbatch.formats.fetch import local_checkpoint  # a tokenizer in a bucket: this node's copy
 
-    return _load_tokenizer(str(local_checkpoint(str(path or "")) or SHIPPED_TOKENIZER), chat_template)
+    key = (str(local_checkpoint(str(path or "")) or SHIPPED_TOKENIZER), chat_template)
+    if key not in _LOADED:
+        if len(_LOADED) >= 8:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = _load_tokenizer(*key, resolved)
+    return _LOADED[key]
 
 
 _TEMPLATE_MODE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_LOADED: dict[tuple[str, str], Any] = {}  # (path, chat_template) -> tokenizer, per process
+_RESOLVED: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # tokenizer -> resolved_class
 
 
-@functools.lru_cache(maxsize=8)
-def _load_tokenizer(path: str, chat_template: str):
+def resolved_class(tok) -> str:
+    """'module:Class:digest' of a tokenizer load_tokenizer loaded from a checkpoint, for ``resolved`` in the
+    processes that load it next; '' for the shipped tokenizer, a class outside transformers (remote code)
+    and Mistral's own backend: those load as they always do."""
+    return _RESOLVED.get(tok, "")
+
+
+def _name_and_digest(tok) -> str:
+    """resolved_class of a tokenizer AutoTokenizer just loaded (before load_tokenizer's own changes)."""
+    cls = type(tok)
+    if not cls.__module__.startswith("transformers.") or "Mistral" in cls.__qualname__ or "." in cls.__qualname__:
+        return ""
+    return f"{cls.__module__}:{cls.__qualname__}:{_digest(tok)}"
+
+
+def _digest(tok) -> str:
+    """What the two loads must agree on: the Rust tokenizer (vocabulary, merges, normalizer, pre-tokenizer,
+    post-processor, added tokens), the special tokens, the chat template, padding and truncation sides."""
+    h = hashlib.blake2b(digest_size=12)
+    for part in (tok.backend_tokenizer.to_str(), repr(sorted((k, str(v)) for k, v in tok.special_tokens_map.items())),
+                 str(getattr(tok, "chat_template", None)), str(tok.padding_side), str(tok.truncation_side),
+                 str(tok.model_max_length)):
+        h.update(part.encode("utf-8", "surrogatepass") + b"\x00")
+    return h.hexdigest()
+
+
+def _direct(path: str, resolved: str):
+    """The tokenizer class ``resolved`` names, loaded as AutoTokenizer's last step loads it; None when the
+    name does not import or the digest differs (then AutoTokenizer loads it)."""
+    import importlib
+
+    try:
+        module, qualname, digest = resolved.split(":")
+        if not module.startswith("transformers."):
+            return None
+        cls = getattr(importlib.import_module(module), qualname)
+        tok = cls.from_pretrained(path, _from_auto=True)
+    except Exception:  # noqa: BLE001 - a hint only: AutoTokenizer loads it, and raises what is wrong
+        return None
+    return tok if _digest(tok) == digest else None
+
+
+def _load_tokenizer(path: str, chat_template: str, resolved: str = ""):
     from tokenizers import AddedToken
 
     if os.path.realpath(path) == os.path.realpath(SHIPPED_TOKENIZER):
         # Ours is a plain tokenizer.json: the generic fast class loads it without
         # AutoTokenizer's config machinery, which imports torch (~1.4 s per actor).
         from transformers import PreTrainedTokenizerFast as loader
+
+        tok = loader.from_pretrained(path)
     else:
-        from transformers import AutoTokenizer as loader
-    tok = loader.from_pretrained(path)
+        tok = _direct(path, resolved) if resolved else None
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(path)
+            resolved = _name_and_digest(tok)
+        _RESOLVED[tok] = resolved
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"{path}: a fast (Rust) tokenizer is required, got {type(tok).__name__}")
     if chat_template == "auto" and not getattr(tok, "chat_template", None):
