@@ -448,7 +448,7 @@ class DataConfig:
     read units around them: raise it for large units or many subsets."""
     shuffle_ramp: float = flag("--shuffle-ramp", 0.1)
     """While the shuffle buffer grows to --shuffle-buffer, this share of the rows read goes on to planning
-    (batching/shuffle.py), so the first batch comes after ~128 / ramp samples are measured whatever the
+    (batching/shuffle.py), so the first batch comes after ~32 / ramp samples are measured whatever the
     buffer's size; the first ~buffer / (1 - ramp) samples of an epoch are then mixed over the rows read so
     far. 0 = fill the whole buffer before the first batch (best-mixed start, slowest first batch)."""
     stall_timeout_s: float = flag("--stall-timeout", 1800.0)

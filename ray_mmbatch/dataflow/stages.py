@@ -222,7 +222,7 @@ def plan_rows(batch: dict[str, Any], budget_cfg: BudgetConfig, seed: int, epoch:
 
 
 #: rows of the stateful plan stage's first window; each next window doubles, up to budget.window
-FIRST_WINDOW = 128
+FIRST_WINDOW = 32
 
 
 class CarryPlanStage:
