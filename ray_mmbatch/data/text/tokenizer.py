@@ -64,8 +64,9 @@ def resolved_class(tok) -> str:
 def _name_and_digest(tok) -> str:
     """resolved_class of a tokenizer AutoTokenizer just loaded (before load_tokenizer's own changes)."""
     cls = type(tok)
-    if not cls.__module__.startswith("transformers.") or "Mistral" in cls.__qualname__ or "." in cls.__qualname__:
-        return ""
+    if (not getattr(tok, "is_fast", False) or not cls.__module__.startswith("transformers.")
+            or "Mistral" in cls.__qualname__ or "." in cls.__qualname__):
+        return ""  # a slow tokenizer is refused below, with its own message
     return f"{cls.__module__}:{cls.__qualname__}:{_digest(tok)}"
 
 
@@ -91,9 +92,9 @@ def _direct(path: str, resolved: str):
             return None
         cls = getattr(importlib.import_module(module), qualname)
         tok = cls.from_pretrained(path, _from_auto=True)
+        return tok if _digest(tok) == digest else None
     except Exception:  # noqa: BLE001 - a hint only: AutoTokenizer loads it, and raises what is wrong
         return None
-    return tok if _digest(tok) == digest else None
 
 
 def _load_tokenizer(path: str, chat_template: str, resolved: str = ""):
