@@ -102,3 +102,6 @@ def test_configure_names_the_class_for_a_checkpoint_and_nothing_for_the_shipped_
     cfg = configure(cfg)
     assert cfg.text.tokenizer_class == T.resolved_class(T.load_tokenizer(cfg.text.tokenizer))
     assert cfg.text.tokenizer_class.startswith("transformers.tokenization_utils_tokenizers:TokenizersBackend:")
+    right = cfg.text.tokenizer_class
+    cfg.text.tokenizer_class = "garbage"  # a stale or edited config: configure names what this process loaded
+    assert configure(cfg).text.tokenizer_class == right

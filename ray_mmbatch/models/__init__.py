@@ -170,9 +170,9 @@ def _resolve_tokenizer(cfg):
     load it directly (data/text/tokenizer.py); '' when it is not a checkpoint's tokenizer."""
     from ray_mmbatch.data.text.tokenizer import load_tokenizer, resolved_class
 
-    cfg.text.tokenizer_class = ""
+    hint, cfg.text.tokenizer_class = cfg.text.tokenizer_class, ""  # a config configured before (a trial's): its hint
     if cfg.text.tokenizer:
-        cfg.text.tokenizer_class = resolved_class(load_tokenizer(cfg.text.tokenizer, cfg.text.chat_template))
+        cfg.text.tokenizer_class = resolved_class(load_tokenizer(cfg.text.tokenizer, cfg.text.chat_template, hint))
     return cfg
 
 
