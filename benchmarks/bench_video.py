@@ -3,7 +3,8 @@
 ``--part decode``: per data CPU (the process pinned to one core, torch 1 thread, so FFmpeg's "auto"
 threads are 1), on generated H.264 mp4 clips (``encode_clip(clip_frames(n, h, w), fps, gop)``, with
 ``--noise`` Gaussian noise first for a higher bit rate, with ``--fixed-gop`` x264's scene-cut keyframes
-off; encoding not timed) with a Qwen2-VL video processor (a tiny test checkpoint +
+off, with ``--b-pyramid`` x264's b-pyramid set (none: every B-frame non-reference); encoding not timed)
+with a Qwen2-VL video processor (a tiny test checkpoint +
 video_preprocessor_config.json: fps sampling, ``video_fps`` 2, min 4 / max 768 frames, frame pixels
 4..64 x 28 x 28). Per clip, the best of ``--repeat`` runs of each
 path (the paths interleaved clip by clip, so they share the load):
@@ -198,6 +199,30 @@ def encode_fixed_gop(frames: np.ndarray, fps: float, gop: int) -> bytes:
     return buf.getvalue()
 
 
+def encode_b_pyramid(frames: np.ndarray, fps: float, gop: int, bframes: int, pyramid: str) -> bytes:
+    """encode_clip's H.264 mp4 (scene-cut on) with x264's ``b-pyramid`` set: "none" makes every B-frame a
+    non-reference frame (encode_clip leaves x264's default, "normal": the middle B-frame of a run referenced)."""
+    import io
+    from fractions import Fraction
+
+    import av
+
+    buf = io.BytesIO()
+    out = av.open(buf, mode="w", format="mp4")
+    stream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001),
+                            options={"x264-params": f"b-pyramid={pyramid}"})
+    stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+    stream.codec_context.gop_size = gop
+    stream.codec_context.max_b_frames = bframes
+    for rgb in frames:
+        for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
+            out.mux(packet)
+    for packet in stream.encode():
+        out.mux(packet)
+    out.close()
+    return buf.getvalue()
+
+
 def keyframes(data: bytes) -> int:
     import io
 
@@ -234,6 +259,9 @@ def make_clips(args) -> tuple[int, int, int, list[bytes], np.ndarray, float]:
             raise SystemExit("--fixed-gop encodes without B-frames")
         clips = [encode_fixed_gop(noisy(clip_frames(n, h, w, seed=i), args.noise, i), args.fps, args.gop)
                  for i in range(args.clips)]
+    elif args.b_pyramid:
+        clips = [encode_b_pyramid(noisy(clip_frames(n, h, w, seed=i), args.noise, i), args.fps, args.gop,
+                                  args.bframes, args.b_pyramid) for i in range(args.clips)]
     else:
         clips = [encode_clip(noisy(clip_frames(n, h, w, seed=i), args.noise, i), fps=args.fps, gop=args.gop,
                              bframes=args.bframes) for i in range(args.clips)]
@@ -381,6 +409,7 @@ def part_hf(args, tmp: str) -> dict:
             **{f"hf_{lo}": ("cpu_s", "load_s", "process_s") for lo in loaders}}
     best = {(side, key): np.full(len(clips), np.inf) for side, ks in keys.items() for key in ks}
     sampled = np.zeros(len(clips), np.int64)
+    decoded = np.zeros(len(clips), np.int64)  # frames our decoder output per clip (untimed count)
 
     def run(side: str, path: str) -> dict:
         return ours_timed(path, cfg)[1] if side == "ours" else hf(path, side[3:])
@@ -389,6 +418,7 @@ def part_hf(args, tmp: str) -> dict:
         for k, path in enumerate(paths):  # the same work on every side (also the warm-up, untimed)
             plan = plan_video(clips[k], cfg)
             sampled[k] = plan.frames
+            decoded[k] = decode_sampled(clips[k], plan)[1]
             ours, _ = ours_timed(path, cfg)
             normalized = normalize_video_patches(torch.from_numpy(ours), cfg.video_mean, cfg.video_std).numpy()
             for lo in loaders:
@@ -419,6 +449,7 @@ def part_hf(args, tmp: str) -> dict:
            "keyframes_per_clip": float(kf.mean()), "frames_per_clip": n,
            "mb_per_clip": float(np.mean([len(c) for c in clips]) / 2**20),
            "sampled_frames_per_clip": fr, "grid": list(p0.grid), "tokens_per_clip": p0.tokens,
+           "b_pyramid": args.b_pyramid, "ours_decoded_per_clip": float(decoded.mean()),
            "repeat": args.repeat, "cpu": core, "hf": hf.ready, "encode_s": encode_s, "measure_s": measure_s,
            "ms_per_clip": {f"{side}/{key[:-2]}": v for (side, key), v in ms.items()},
            "ours_faster": {lo: ms[f"hf_{lo}", "cpu_s"] / ours_ms for lo in loaders},
@@ -426,8 +457,8 @@ def part_hf(args, tmp: str) -> dict:
     print(f"clips {args.clips} x {args.seconds:g} s, {n} frames {h}x{w} @ {args.fps:g} fps, H.264 GOP {args.gop} "
           f"({'fixed' if args.fixed_gop else 'x264 scene-cut on'}, keyframes/clip mean {kf.mean():.1f}), b-frames "
           f"{args.bframes}, noise {args.noise:g}, {out['mb_per_clip']:.2f} MB/clip; sampled {fr:g} frames/clip, grid "
-          f"{tuple(p0.grid)}, {p0.tokens} tokens/clip; CPU ms per clip, best of {args.repeat}, every side pinned to "
-          f"CPU {core}; HF: {hf.ready}")
+          f"{tuple(p0.grid)}, {p0.tokens} tokens/clip; ours decodes {decoded.mean():.1f} frames/clip; CPU ms per clip, "
+          f"best of {args.repeat}, every side pinned to CPU {core}; HF: {hf.ready}")
     print("| side | CPU ms / clip | steps (CPU ms / clip, each its own best) | sampled frames / CPU s | "
           + " | ".join(f"ours vs HF {lo}" for lo in loaders) + " |")
     print("|---|---:|---|---:|" + "---:|" * len(loaders))
@@ -652,6 +683,8 @@ def main(argv=None) -> dict:
     d.add_argument("--size", default="224x320", help="HxW of the clips")
     d.add_argument("--gop", type=int, default=30, help="keyframe interval (frames)")
     d.add_argument("--bframes", type=int, default=0)
+    d.add_argument("--b-pyramid", choices=("none", "strict", "normal"), default=None,
+                   help="x264's b-pyramid (default: x264's own, normal); none: every B-frame a non-reference frame")
     d.add_argument("--fixed-gop", action="store_true",
                    help="x264 scene-cut off (encode_fixed_gop): a keyframe exactly every --gop frames")
     d.add_argument("--noise", type=float, default=0.0,

@@ -1,6 +1,7 @@
 """Video (data/video.py): header cost == HF's video processor, pixels == HF's, packing exact for Qwen2-VL /
 Qwen2.5-VL / Qwen3-VL(-MoE) / Qwen3.5 (dense, MoE) and LLaVA-OneVision, a conversation with a clip trained as HF's
-assistant mask marks it (Qwen3-VL, Qwen3.5), bad clips skipped with their reason, only the sampled GOPs decoded.
+assistant mask marks it (Qwen3-VL, Qwen3.5), bad clips skipped with their reason, only the sampled GOPs decoded
+(and in H.264 no unsampled non-reference frame).
 
 The clips are made here with PyAV (synthetic/video.py): H.264 with B-frames, MPEG-4 Part 2, VP9 in WebM,
 H.264 in Matroska, a variable-frame-rate clip, a rotated (portrait phone) clip, a thin one, a 1-frame one,
@@ -71,6 +72,9 @@ def _clips() -> dict[str, bytes]:
     vfr = [0.0, 0.04, 0.3, 0.35, 0.9, 1.0, 1.6, 1.62, 1.7, 2.5, 2.6, 3.1, 3.2, 3.9]
     return {
         "h264_bframes": encode_clip(clip_frames(23, 48, 64, 1), fps=10, bframes=2),
+        # 3 B-frames without x264's b-pyramid: every B-frame a non-reference frame (skipped unless sampled)
+        "h264_b3_flat": encode_with(clip_frames(36, 48, 64, 17), 10, "libx264",
+                                    {"x264-params": "keyint=12:bframes=3:b-pyramid=none"}),
         "mpeg4_25fps": encode_clip(clip_frames(40, 56, 40, 2), fps=25, codec="mpeg4"),
         "vp9_webm": encode_clip(clip_frames(17, 64, 64, 3), fps=8, container="webm"),
         "h264_mkv": encode_clip(clip_frames(15, 40, 72, 4), fps=12, container="mkv"),
@@ -124,6 +128,23 @@ def encode_open_gop(frames: np.ndarray, fps: int = 10, gop: int = 8) -> bytes:
         s = out.add_stream("libx264", rate=fps)
         s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
         s.options = {"x264-params": f"open-gop=1:keyint={gop}:min-keyint={gop}:scenecut=0:bframes=3:b-pyramid=0"}
+        for rgb in frames:
+            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
+                out.mux(p)
+        for p in s.encode():
+            out.mux(p)
+    return buf.getvalue()
+
+
+def encode_with(frames: np.ndarray, fps: int, codec: str, options: dict[str, str]) -> bytes:
+    """mp4 of ``codec`` with these encoder options (x264-params, x265-params)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        s = out.add_stream(codec, rate=fps)
+        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        s.options = options
         for rgb in frames:
             for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
                 out.mux(p)
@@ -444,6 +465,110 @@ def test_frames_are_counted_and_indexed_as_the_decoder_outputs_them(clips):
         assert c.streams.video[0].frames == 32  # the header counts the 9 packets the edit list drops
     assert plan_video(clips.data["trimmed_mp4"], cfg).header.frames == 23 == 40 - 17
     assert len(_decoded(cut_open_gop)) < sum(1 for _ in av.open(io.BytesIO(cut_open_gop)).demux(video=0)) - 1
+
+
+def _h264_refs(data: bytes) -> tuple[int, int]:
+    """(B-frames, non-reference frames) of an H.264 mp4: packets shown before one decoded earlier, and packets
+    whose slices have nal_ref_idc 0 (the mp4's 4-byte NAL lengths)."""
+    import av
+
+    bframes, nonref, shown = 0, 0, -1
+    with av.open(io.BytesIO(data)) as c:
+        for p in c.demux(video=0):
+            if not p.size:
+                continue
+            bframes, shown = bframes + (p.pts < shown), max(shown, p.pts)
+            b, i, refs = bytes(p), 0, []
+            while i + 4 < len(b):
+                if b[i + 4] & 31 in (1, 5):  # a slice: its nal_ref_idc
+                    refs.append(b[i + 4] >> 5 & 3)
+                i += 4 + int.from_bytes(b[i:i + 4], "big")
+            nonref += refs[0] == 0
+    return bframes, nonref
+
+
+def _decoded_by_seek(data: bytes, plan, thread_type: str) -> tuple[list, int]:
+    """decode._by_seek on the plan's frames with this thread_type (frame threads: 4 of them, even on fewer cores)."""
+    import av
+
+    from ray_mmbatch.data.video.decode import _by_seek
+
+    with av.open(io.BytesIO(data)) as c:
+        stream = c.streams.video[0]
+        stream.thread_type = thread_type
+        if thread_type == "FRAME":
+            stream.thread_count = 4
+        return _by_seek(c, stream, plan.pts, plan.seek)
+
+
+def test_h264_skips_the_unsampled_non_reference_frames_and_every_sampled_frame_is_exact(clips, monkeypatch):
+    """Issue 46: an H.264 run sends each unwanted packet as skip_frame NONREF: the codec skips the non-reference
+    frames among them (nobody references them), so the sampled frames equal a full decode's, bit for bit, with
+    frame, slice and no threads, and fewer frames are decoded than without skipping (SKIP_NONREF emptied).
+    Streams: 3 B-frames without b-pyramid (every B-frame non-reference), x264's default b-pyramid with 2 and 3
+    B-frames (some B-frames referenced: those are decoded), a clip cut with an edit list. HF's pixels on the
+    first two: test_header_cost_equals_the_hf_video_processor (h264_b3_flat, h264_bframes)."""
+    from ray_mmbatch.data.video import decode as decode_module
+
+    cfg = Config().image
+    cfg.video, cfg.video_sample_frames = "qwen2_vl", False
+    cases = {"h264_b3_flat": clips.data["h264_b3_flat"], "h264_bframes": clips.data["h264_bframes"],
+             "b3_pyramid": encode_clip(clip_frames(50, 32, 48, 18), fps=10, gop=25, bframes=3),
+             "trimmed_mp4": clips.data["trimmed_mp4"]}
+    bframes, nonref = _h264_refs(cases["h264_b3_flat"])
+    assert bframes == nonref > 0  # no pyramid: every B-frame is a non-reference frame
+    bframes, nonref = _h264_refs(cases["b3_pyramid"])
+    assert 0 < nonref < bframes  # b-pyramid: some B-frames are references
+    rng = np.random.default_rng(0)
+    for name, data in cases.items():
+        every, full = _decoded(data), plan_video(data, cfg)
+        n = len(every)
+        subsets = [[i] for i in range(n)] + [list(range(0, n, 3)), list(range(1, n, 4)), [0, n - 1], list(range(n))]
+        subsets += [sorted(rng.choice(n, size=int(rng.integers(1, 7)), replace=False).tolist()) for _ in range(12)]
+        skipped = 0
+        for indices in subsets:
+            idx = np.array(indices)
+            plan = dataclasses.replace(full, indices=idx, pts=full.pts[idx], seek=full.seek[idx])
+            got = decode_sampled(data, plan)
+            assert not got.sequential and all(np.array_equal(a, every[i]) for a, i in zip(got.frames, indices)), \
+                (name, indices)
+            for thread_type in ("FRAME", "SLICE", "NONE"):
+                frames, _ = _decoded_by_seek(data, plan, thread_type)
+                assert all(np.array_equal(a, every[i]) for a, i in zip(frames, indices)), (name, indices, thread_type)
+            with monkeypatch.context() as m:
+                m.setattr(decode_module, "SKIP_NONREF", frozenset())
+                plain = decode_sampled(data, plan)
+            assert all(np.array_equal(a, b) for a, b in zip(got.frames, plain.frames, strict=True))
+            assert got.decoded <= plain.decoded, (name, indices)
+            skipped += plain.decoded - got.decoded
+            if len(indices) == n and name != "trimmed_mp4":  # every frame sampled: nothing to skip (the cut clip
+                assert got.decoded == plain.decoded, name   # skips the unshown ones the edit list drops)
+        assert skipped > 0, name  # the skip happened (the count above could not catch a codec that ignores it)
+
+
+def test_other_codecs_decode_every_frame_of_a_run(clips, monkeypatch):
+    """MPEG-4 Part 2 (its B-frames are never referenced) and HEVC (a "sub-layer non-reference" picture may be
+    referenced by a higher temporal sub-layer) are not skipped: the same frames decoded as without SKIP_NONREF.
+    Control: HEVC put in SKIP_NONREF would skip frames here (x265 writes TRAIL_N pictures)."""
+    from ray_mmbatch.data.video import decode as decode_module
+
+    cfg = Config().image
+    cfg.video, cfg.video_sample_frames = "qwen2_vl", False
+    cases = {"mpeg4": encode_clip(clip_frames(30, 48, 64, 19), fps=10, codec="mpeg4", gop=15, bframes=2),
+             "hevc": encode_with(clip_frames(30, 48, 64, 20), 10, "libx265",
+                                 {"x265-params": "keyint=15:bframes=3:log-level=none"})}
+    for name, data in cases.items():
+        every, full = _decoded(data), plan_video(data, cfg)
+        idx = np.arange(0, len(every), 4)
+        plan = dataclasses.replace(full, indices=idx, pts=full.pts[idx], seek=full.seek[idx])
+        got = decode_sampled(data, plan)
+        assert not got.sequential and all(np.array_equal(a, every[i]) for a, i in zip(got.frames, idx)), name
+        with monkeypatch.context() as m:
+            m.setattr(decode_module, "SKIP_NONREF", frozenset())
+            assert decode_sampled(data, plan).decoded == got.decoded, name
+        with monkeypatch.context() as m:
+            m.setattr(decode_module, "SKIP_NONREF", frozenset({"mpeg4", "hevc"}))
+            assert decode_sampled(data, plan).decoded < got.decoded, name  # the control: this stream would skip
 
 
 def test_rotation_is_read_from_mp4_mov_and_matroska_and_the_pyav_loader_leaves_it(clips, tmp_path):

@@ -9,6 +9,16 @@ lacks, a wanted frame not met after its seek: a container whose seek lands elsew
 timestamps), the clip is decoded from its start in order and frame i is the i-th output, HF's loader's own
 count (``decode_sampled(...).sequential`` says which ran; tests/test_video.py checks both).
 
+Within a run, an H.264 stream's unsampled non-reference frames (nal_ref_idc 0: B-frames outside x264's
+b-pyramid, most of a B-frame stream's frames) are not decoded either: the packets are fed to the codec one by
+one, each with ``skip_frame`` "NONREF" unless its pts is a wanted one of the run ("DEFAULT"). The codec
+skips only pictures no other picture references, so every other frame's pixels are the same; a skipped
+frame is not output (and not counted in ``Decoded.decoded``). FFmpeg's frame threads take ``skip_frame``
+from the user's context as each packet is submitted (pthread_frame.c update_context_from_user), so it holds
+packet by packet with ``thread_type`` "AUTO" too (tests/test_video.py checks the pixels with frame, slice
+and no threads). Not for HEVC (its "sub-layer non-reference" pictures may be referenced by pictures of a
+higher temporal sub-layer) nor the other codecs: they decode every frame of the run (``SKIP_NONREF``).
+
 Then RGB as HF's loaders convert it, the display rotation the probe applied (np.rot90, as torchcodec turns
 the frames), the resize HF's torchvision backend does (torch's uint8 bicubic with antialias, bit for bit), and
 ``patchify_video`` in HF's row layout (channel, frame, py, px) -- uint8 until the training worker normalizes
@@ -26,10 +36,13 @@ from ray_mmbatch.config import ImageConfig
 from ray_mmbatch.data.video.cost import VideoPlan
 from ray_mmbatch.data.video.probe import VideoSkip, _open
 
+# Decoders whose unsampled non-reference frames _by_seek skips (module docstring): H.264 only
+SKIP_NONREF = frozenset({"h264"})
+
 
 class Decoded(NamedTuple):
     frames: list          # RGB uint8 [H, W, 3] per sampled index (coded orientation)
-    decoded: int          # frames the decoder output to get them
+    decoded: int          # frames the decoder output to get them (skipped non-reference frames are not output)
     sequential: bool      # True: decoded in order from the start (the seek table was not followed)
 
 
@@ -39,34 +52,50 @@ class _OffTable(Exception):
 
 def _by_seek(container, stream, pts: np.ndarray, seek: np.ndarray) -> tuple[list, int]:
     """Each sampled frame by its pts (``pts[j]``), from the keyframe ``seek[j]``: one seek per run of sampled
-    frames behind one keyframe, decoding stops at the run's last frame."""
+    frames behind one keyframe, decoding stops at the run's last frame; an H.264 run skips its unwanted
+    non-reference frames (``SKIP_NONREF``)."""
     wanted: dict[int, list[int]] = {}  # pts -> the output slots that frame fills
     for j, p in enumerate(pts.tolist()):
         wanted.setdefault(p, []).append(j)
     out: list[np.ndarray | None] = [None] * len(pts)
     order = sorted(wanted)
     seek_of = {int(p): int(s) for p, s in zip(pts, seek)}
+    codec = stream.codec_context
+    skip = codec.name in SKIP_NONREF
     decoded, k = 0, 0
-    while k < len(order):
-        start, run_end = seek_of[order[k]], k
-        while run_end + 1 < len(order) and seek_of[order[run_end + 1]] == start:
-            run_end += 1
-        last_pts, run = order[run_end], set(order[k:run_end + 1])
-        container.seek(start, stream=stream, backward=True, any_frame=False)
-        for frame in container.decode(stream):
-            decoded += 1
-            if frame.pts is None:
-                raise _OffTable
-            if frame.pts in run:  # only this run's frames: one sought past its references may come out broken
-                rgb = frame.to_ndarray(format="rgb24")
-                for j in wanted[frame.pts]:
-                    out[j] = rgb
-            if frame.pts >= last_pts:
-                break
-        if any(out[wanted[p][0]] is None for p in order[k:run_end + 1]):
-            raise _OffTable  # the seek landed past a wanted frame (or it never came): not the table's decoder
-        k = run_end + 1
+    try:
+        while k < len(order):
+            start, run_end = seek_of[order[k]], k
+            while run_end + 1 < len(order) and seek_of[order[run_end + 1]] == start:
+                run_end += 1
+            last_pts, run = order[run_end], set(order[k:run_end + 1])
+            container.seek(start, stream=stream, backward=True, any_frame=False)  # flushes the decoder too
+            for frame in (_skipping(container, stream, run) if skip else container.decode(stream)):
+                decoded += 1
+                if frame.pts is None:
+                    raise _OffTable
+                if frame.pts in run:  # only this run's frames: one sought past its references may come out broken
+                    rgb = frame.to_ndarray(format="rgb24")
+                    for j in wanted[frame.pts]:
+                        out[j] = rgb
+                if frame.pts >= last_pts:
+                    break
+            if any(out[wanted[p][0]] is None for p in order[k:run_end + 1]):
+                raise _OffTable  # the seek landed past a wanted frame (or it never came): not the table's decoder
+            k = run_end + 1
+    finally:
+        if skip:
+            codec.skip_frame = "DEFAULT"  # an in-order decode after _OffTable decodes every frame
     return out, decoded
+
+
+def _skipping(container, stream, run: set[int]):
+    """``container.decode(stream)`` (its end-of-stream flush included), with each packet whose pts is not in
+    ``run`` sent as "NONREF": the codec skips it if no picture references it (module docstring)."""
+    codec = stream.codec_context
+    for packet in container.demux(stream):
+        codec.skip_frame = "DEFAULT" if packet.pts is None or packet.pts in run else "NONREF"
+        yield from packet.decode()
 
 
 def _in_order(container, stream, indices: np.ndarray, expected: int) -> tuple[list, int]:
