@@ -405,7 +405,7 @@ def test_ran_in_blocks_are_run_by_the_page_they_name():
             missing = [" ".join(w) for w in _command_words(block) if w not in ran and not _lifecycle(w)]
             assert not missing, f"{block.page}:{block.line}: not run by {block.ran_in}: {missing}"
             covered += 1
-    assert covered >= 3  # the README's tune sweep (budgets.md), its local run (cluster.md), quickstart's model (model.md)
+    assert covered >= 3  # the README's tune sweep and local run, quickstart's model block
     bad = "<!-- docs-test: ran-in budgets.md -->\n```bash\nray-mmbatch tune --data elsewhere/ --out x\n```\n"
     (block,) = parse_blocks(bad, "t.md")
     assert not block.runs and _command_words(block)[0] not in {
