@@ -217,6 +217,20 @@ def test_local_image_paths_are_read_under_the_image_root_only(written, tmp_path)
     _, unset = _read(w, _cfg(w, image_root=""))
     assert all(r[S.READ_ERROR].startswith(S.SKIP_MISSING_FILE + ":") and "--image-root" in r[S.READ_ERROR]
                for r in unset)
+    # an absolute path that leaves the root through '..' or a symlink is outside; one with a NUL is malformed
+    from ray_mmbatch.formats.parquet import _image_from_path
+
+    root = tmp_path / "root"
+    (root / "in").mkdir(parents=True)
+    (tmp_path / "secret.png").write_bytes(b"x")
+    (root / "in" / "link.png").symlink_to(tmp_path / "secret.png")
+    for ref in (f"{root}/in/../../secret.png", f"{root}/in/link.png"):
+        data, err = _image_from_path(ref, str(root), 1 << 20)
+        assert data == b"" and err.startswith(S.SKIP_PATH_OUTSIDE_ROOT + ":"), (ref, err)
+    data, err = _image_from_path(f"{root}/in/a\x00.png", str(root), 1 << 20)
+    assert data == b"" and err.startswith(S.SKIP_MALFORMED_RECORD + ":"), err
+    (root / "in" / "ok.png").write_bytes(b"png bytes")
+    assert _image_from_path(f"{root}/in/../in/ok.png", str(root), 1 << 20) == (b"png bytes", "")
     fresh = F.write_local_paths(tmp_path / "lp", F.write_images(tmp_path / "photos"))
     (tmp_path / "photos" / "tall.png").unlink()  # gone since the table was written
     _, rows = _read(fresh)

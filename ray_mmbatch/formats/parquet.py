@@ -140,17 +140,20 @@ def _image_from_path(ref: str, image_root: str, max_bytes: int, what: str = IMAG
     """An Image struct with null bytes and a path (``Dataset.to_parquet`` of local files), or a video path:
     read from the path when it lies under --image-root (absolute, or relative to it); nothing outside the
     root is opened."""
+    from ray_mmbatch.formats.llava import _inside, _local_root, resolve_image_path
     from ray_mmbatch.formats.llava import _read_image as read_image_file
-    from ray_mmbatch.formats.llava import resolve_image_path
 
     if not image_root:
         return b"", error(schema.SKIP_MISSING_FILE, f"{what} {ref!r} has no bytes; set --image-root to the folder "
                                                     "that holds its path to read it from there")
-    if not fs.is_uri(image_root) and os.path.isabs(ref):
-        root = os.path.realpath(fs.local_path(image_root))
-        if os.path.commonpath([root, os.path.realpath(ref)]) != root:
+    if not fs.is_uri(image_root) and isinstance(ref, str) and os.path.isabs(ref) and "\x00" not in ref:
+        # an absolute path (to_parquet's): made relative to the root it must lie under, as llava reads relative ones
+        # ('..' and symlinks resolved, llava's _inside); a NUL is resolve_image_path's malformed record
+        root = _local_root(image_root)
+        real = _inside(root, ref)  # os.path.join(root, absolute) is the absolute path itself
+        if real is None:
             return b"", error(schema.SKIP_PATH_OUTSIDE_ROOT, f"{ref} (not under --image-root {image_root})")
-        ref = os.path.relpath(os.path.realpath(ref), root)
+        ref = os.path.relpath(real, root)
     location, err = resolve_image_path(ref, image_root)
     return (b"", err) if err else read_image_file(location, ref, max_bytes)
 
