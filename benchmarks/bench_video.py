@@ -174,10 +174,8 @@ def decode_all(data: bytes, plan, cfg) -> tuple[np.ndarray, int]:
     return _finish([every[int(i)] for i in plan.indices], plan, cfg), len(every)
 
 
-def encode_fixed_gop(frames: np.ndarray, fps: float, gop: int) -> bytes:
-    """encode_clip's H.264 mp4 with x264's scene-cut keyframes off (``scenecut=0``): a keyframe exactly every
-    ``gop`` frames. encode_clip leaves scene-cut detection on, which adds keyframes where the drawn content
-    jumps (its gradient wraps) and, on noisy frames, every few frames."""
+def _encode_h264(frames: np.ndarray, fps: float, gop: int, bframes: int, x264_params: str) -> bytes:
+    """An H.264 mp4 of ``frames`` with x264's GOP size, B-frames and these x264-params."""
     import io
     from fractions import Fraction
 
@@ -186,31 +184,7 @@ def encode_fixed_gop(frames: np.ndarray, fps: float, gop: int) -> bytes:
     buf = io.BytesIO()
     out = av.open(buf, mode="w", format="mp4")
     stream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001),
-                            options={"x264-params": "scenecut=0"})
-    stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-    stream.codec_context.gop_size = gop
-    stream.codec_context.max_b_frames = 0
-    for rgb in frames:
-        for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
-            out.mux(packet)
-    for packet in stream.encode():
-        out.mux(packet)
-    out.close()
-    return buf.getvalue()
-
-
-def encode_b_pyramid(frames: np.ndarray, fps: float, gop: int, bframes: int, pyramid: str) -> bytes:
-    """encode_clip's H.264 mp4 (scene-cut on) with x264's ``b-pyramid`` set: "none" makes every B-frame a
-    non-reference frame (encode_clip leaves x264's default, "normal": the middle B-frame of a run referenced)."""
-    import io
-    from fractions import Fraction
-
-    import av
-
-    buf = io.BytesIO()
-    out = av.open(buf, mode="w", format="mp4")
-    stream = out.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001),
-                            options={"x264-params": f"b-pyramid={pyramid}"})
+                            options={"x264-params": x264_params})
     stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
     stream.codec_context.gop_size = gop
     stream.codec_context.max_b_frames = bframes
@@ -221,6 +195,19 @@ def encode_b_pyramid(frames: np.ndarray, fps: float, gop: int, bframes: int, pyr
         out.mux(packet)
     out.close()
     return buf.getvalue()
+
+
+def encode_fixed_gop(frames: np.ndarray, fps: float, gop: int) -> bytes:
+    """encode_clip's H.264 mp4 with x264's scene-cut keyframes off (``scenecut=0``): a keyframe exactly every
+    ``gop`` frames. encode_clip leaves scene-cut detection on, which adds keyframes where the drawn content
+    jumps (its gradient wraps) and, on noisy frames, every few frames."""
+    return _encode_h264(frames, fps, gop, 0, "scenecut=0")
+
+
+def encode_b_pyramid(frames: np.ndarray, fps: float, gop: int, bframes: int, pyramid: str) -> bytes:
+    """encode_clip's H.264 mp4 (scene-cut on) with x264's ``b-pyramid`` set: "none" makes every B-frame a
+    non-reference frame (encode_clip leaves x264's default, "normal": the middle B-frame of a run referenced)."""
+    return _encode_h264(frames, fps, gop, bframes, f"b-pyramid={pyramid}")
 
 
 def keyframes(data: bytes) -> int:

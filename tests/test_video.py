@@ -121,19 +121,8 @@ def remux_trimmed(data: bytes, start_frame: int, container: str = "mp4", first_p
 
 def encode_open_gop(frames: np.ndarray, fps: int = 10, gop: int = 8) -> bytes:
     """H.264 with open GOPs (x264 open-gop: each GOP's leading B-frames reference the GOP before)."""
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        s = out.add_stream("libx264", rate=fps)
-        s.width, s.height, s.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
-        s.options = {"x264-params": f"open-gop=1:keyint={gop}:min-keyint={gop}:scenecut=0:bframes=3:b-pyramid=0"}
-        for rgb in frames:
-            for p in s.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")):
-                out.mux(p)
-        for p in s.encode():
-            out.mux(p)
-    return buf.getvalue()
+    return encode_with(frames, fps, "libx264", {
+        "x264-params": f"open-gop=1:keyint={gop}:min-keyint={gop}:scenecut=0:bframes=3:b-pyramid=0"})
 
 
 def encode_with(frames: np.ndarray, fps: int, codec: str, options: dict[str, str]) -> bytes:
