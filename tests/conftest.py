@@ -1,7 +1,10 @@
 """Shared fixtures: one local Ray cluster for the whole session, generated data."""
 from __future__ import annotations
 
+import functools
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +37,36 @@ for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
     os.environ.pop(_var, None)
 
 
+#: What marks a test module as one that touches Ray: the shared cluster, a cluster of its own, a command, job or
+#: Train / Tune run that starts or joins one, a subprocess (which may), the ray / slow markers.
+_TOUCHES_RAY = re.compile(r"\bray(?:\.|_cluster\b|-mmbatch\b)|\b(?:from|import) ray\b|\bsubprocess\b|\bjobs/|"
+                          r"cli\.main|commands\.\w+ import main|run_training|tune_budgets|mark\.(?:ray|slow)\b")
+
+
+@functools.cache
+def touches_ray(path: str) -> bool:
+    return bool(_TOUCHES_RAY.search(Path(path).read_text()))
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: a run without xdist never calls it
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (the README's test command runs ``-n 2``): every test of a module that touches Ray is
+    one unit of work, run by one worker in file order, so one shared cluster serves them all and two Ray runs
+    never compete for the 2 cores. Each test of the other modules (models, batching, formats, text: in-process
+    CPU work, ~a quarter of the suite) is a unit of its own, spread over both workers, so they fill the CPU that
+    the Ray runs leave idle (process starts, polls, waits on actors). A scheduler, not xdist_group marks:
+    xdist 3.8 names a group by rewriting ``item._nodeid``, which pytest 9 no longer reads."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    root = config.rootpath
+
+    class RayModulesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if touches_ray(str(root / nodeid.split("::", 1)[0])) else nodeid
+
+    return RayModulesTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray cluster shared by every Ray test (start-up costs ~7 s).
@@ -63,3 +96,4 @@ def small_parquet_dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("small_parquet")
     generate_dataset(str(out), 240, "parquet", seed=7, shard_size=60)
     return out
+

@@ -631,7 +631,7 @@ def test_every_relative_link_resolves_in_the_repository():
 def test_contributing_test_command_is_the_readmes():
     """docs/contributing.md gives the README's own test command (its second line, which CI runs)."""
     test_command = (ROOT / "README.md").read_text().splitlines()[2].split("#")[0].strip()
-    assert test_command == "bash scripts/setup.sh --reference && .venv/bin/python -m pytest tests"
+    assert test_command == "bash scripts/setup.sh --reference && .venv/bin/python -m pytest tests -n 2"
     commands = [c.split("#")[0].strip() for b in parse_blocks((DOCS / "contributing.md").read_text(), "c.md")
                 if b.lang == "bash" for c in _commands(b.text)]
     assert test_command in commands, commands
