@@ -92,9 +92,23 @@ def wandb_run_record(records):
     return next(r.run for r in records if r.WhichOneof("record_type") == "run")
 
 
-def read_wandb_log(path: Path) -> list:
+def read_wandb_log(path: Path, wait_s: float = 60.0) -> list:
     """An offline W&B run's .wandb file is a LevelDB-style log (7-byte file header, then 32 KiB blocks
-    of records: crc32, length, type, protobuf bytes); its records, in order."""
+    of records: crc32, length, type, protobuf bytes); its records, in order, once its last one is the run's
+    exit record. ``run.finish()`` can return before W&B's service process has written the file out (seen
+    on the loaded CI machine: the steps after a restore were not on disk yet), so the file is read again
+    until the exit record is in, for up to ``wait_s``; then what is there."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = _wandb_log_records(path)
+        if (records and records[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _wandb_log_records(path: Path) -> list:
     from wandb.proto import wandb_internal_pb2
 
     data, block = path.read_bytes(), 32768
