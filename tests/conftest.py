@@ -38,8 +38,9 @@ for _var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
 
 
 #: What marks a test module as one that touches Ray: the shared cluster, a cluster of its own, a command, job or
-#: Train / Tune run that starts or joins one, a subprocess (which may), the ray / slow markers.
-_TOUCHES_RAY = re.compile(r"\bray(?:\.|_cluster\b|-mmbatch\b)|\b(?:from|import) ray\b|\bsubprocess\b|\bjobs/|"
+#: Train / Tune run that starts or joins one, a subprocess (which may: a CLI run joins the cluster `ray start` last
+#: started here, so it must not overlap a test's own), the ray / slow markers. A docstring naming jobs/X.py is not one.
+_TOUCHES_RAY = re.compile(r"\bray(?:\.|_cluster\b|-mmbatch\b)|\b(?:from|import) ray\b|\bsubprocess\b|(?<!"")[\"']jobs/|"
                           r"cli\.main|commands\.\w+ import main|run_training|tune_budgets|mark\.(?:ray|slow)\b")
 
 
