@@ -97,4 +97,3 @@ def small_parquet_dataset(tmp_path_factory):
     out = tmp_path_factory.mktemp("small_parquet")
     generate_dataset(str(out), 240, "parquet", seed=7, shard_size=60)
     return out
-

@@ -257,8 +257,8 @@ def test_every_epoch_is_shuffled_by_default_and_seeded(ray_cluster, bad_datasets
     assert sorted(epoch1) == sorted(ids) and epoch1 != ids
     cfg.data.shuffle = "none"
     assert rank_correlation(_trained_order(_run(cfg))[1]) > 0.8  # listing order, mixed only within windows
-    # another seed and --shuffle units, in process: the Ray path's order is local_batches' (checked below), and
-    # each Ray run here costs a pipeline start
+    # another seed and --shuffle units, in process: the Ray path's order is local_batches' (the next line checks
+    # it), and each Ray run here costs a pipeline start
     cfg.data.shuffle = "samples"
     assert [i for b in local_batches(cfg) for i in b["sample_ids"]] == ids
     for seed, shuffle in ((1, "samples"), (0, "units")):
