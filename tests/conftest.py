@@ -45,47 +45,26 @@ _TOUCHES_RAY = re.compile(r"\bray(?:\.|_cluster\b|-mmbatch\b)|\b(?:from|import) 
                           r"mark\.(?:ray|slow)\b")
 
 
-#: What keeps a Ray module on the machine-wide unit: a process, cluster or run beyond the test process's own shared
-#: cluster (a subprocess or command that may join a `ray start` cluster, a cluster of its own, Train / Tune, slow runs).
-#: A Ray module with none of these uses only its worker's in-process cluster, which no other process can join.
-_MACHINE_WIDE = re.compile(r"\bsubprocess\b|Popen|(?<!\"\")[\"']jobs/|cli\.main|commands\.\w+ import main|run_training|"
-                           r"tune_budgets|Tuner|TorchTrainer|cluster_utils|Cluster\(|ray start|[\"']start[\"']|"
-                           r"connect\(|RAY_ADDRESS|ray\.init\(|ray\.shutdown|mark\.slow\b")
-
-
 @functools.cache
 def touches_ray(path: str) -> bool:
     return bool(_TOUCHES_RAY.search(Path(path).read_text()))
 
 
-@functools.cache
-def ray_unit(path: str) -> str | None:
-    """The unit of work a module's tests go to: "ray" (machine-wide: see _MACHINE_WIDE), "ray-in-process" (the
-    worker's own shared cluster only), or None (no Ray: each test is a unit of its own)."""
-    if not touches_ray(path):
-        return None
-    return "ray" if _MACHINE_WIDE.search(Path(path).read_text()) else "ray-in-process"
-
-
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: a run without xdist never calls it
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (the README's test command runs ``-n 2``), two units of Ray modules, each run by one
-    worker in file order (ray_unit): "ray", every module with a command, subprocess, job, cluster of its own or
-    Train / Tune run, so that no two of those overlap (a CLI run joins the cluster a test started with
-    `ray start`, and two Train runs on 2 cores would starve each other); and "ray-in-process", the modules that
-    use only the worker's shared in-process cluster (pipeline, readers, measure, video ...), which no other
-    process can join (``ray.init("local")`` writes no cluster file), so they run beside the first unit on the
-    other worker. xdist hands the largest units out first, one to each worker. Each test of the modules without
-    Ray (models, batching, formats, text: in-process CPU work) is a unit of its own, spread over both workers,
-    so they fill the CPU the Ray runs leave idle (process starts, polls, waits on actors). A scheduler, not
-    xdist_group marks: xdist 3.8 names a group by rewriting ``item._nodeid``, which pytest 9 no longer reads."""
+    """Under pytest-xdist (the README's test command runs ``-n 2``): every test of a module that touches Ray is
+    one unit of work, run by one worker in file order, so one shared cluster serves them all and two Ray runs
+    never compete for the 2 cores. Each test of the other modules (models, batching, formats, text: in-process
+    CPU work, ~a quarter of the suite) is a unit of its own, spread over both workers, so they fill the CPU that
+    the Ray runs leave idle (process starts, polls, waits on actors). A scheduler, not xdist_group marks:
+    xdist 3.8 names a group by rewriting ``item._nodeid``, which pytest 9 no longer reads."""
     from xdist.scheduler import LoadScopeScheduling
 
     root = config.rootpath
 
     class RayModulesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return ray_unit(str(root / nodeid.split("::", 1)[0])) or nodeid
+            return "ray" if touches_ray(str(root / nodeid.split("::", 1)[0])) else nodeid
 
     return RayModulesTogether(config, log)
 

@@ -1,37 +1,31 @@
-"""The -n 2 scheduler's units (conftest.ray_unit): a module that runs a command, job, subprocess, cluster of its
-own or Train / Tune run stays on the machine-wide unit; one that uses only its worker's in-process cluster may run
-beside it; a module without Ray is spread test by test."""
+"""The -n 2 scheduler's unit (conftest.touches_ray): every module that uses Ray, runs a command, job or subprocess,
+or starts a Train / Tune run is one unit of work on one worker; a module without any of these is spread test by
+test. A docstring naming jobs/X.py does not count."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from conftest import ray_unit
+from conftest import touches_ray
 
 TESTS = Path(__file__).parent
 
 
 @pytest.mark.parametrize("module", ["test_docs.py", "test_job_submit.py", "test_connect.py", "test_train.py",
-                                    "test_tune.py", "test_multinode.py", "test_storage_nodes.py", "test_cli.py",
-                                    "test_trackers.py", "test_formats_s3.py", "test_operator.py"])
-def test_modules_that_start_or_join_a_cluster_beyond_their_own_stay_on_one_unit(module):
-    assert ray_unit(str(TESTS / module)) == "ray"
+                                    "test_tune.py", "test_multinode.py", "test_pipeline.py", "test_video.py"])
+def test_modules_that_use_ray_or_start_processes_are_one_unit(module):
+    assert touches_ray(str(TESTS / module))
 
 
-@pytest.mark.parametrize("module", ["test_pipeline.py", "test_readers.py", "test_video.py", "test_inspect.py"])
-def test_modules_on_the_in_process_cluster_only_form_the_second_unit(module):
-    assert ray_unit(str(TESTS / module)) == "ray-in-process"
-
-
-def test_a_module_without_ray_is_spread_and_each_marker_moves_a_module_to_the_machine_wide_unit(tmp_path):
-    assert ray_unit(str(TESTS / "test_collate.py")) is None
-    in_process = "def test_x(ray_cluster):\n    pass\n"
-    for extra in ("import subprocess", "args = ['python', 'jobs/train.py']", "from ray.cluster_utils import Cluster",
-                  "ray.init('local')", "os.environ['RAY_ADDRESS'] = 'x'", "from ray.train.torch import TorchTrainer",
-                  "connect(4)", "cmd = ['ray', 'start', '--head']"):
-        path = tmp_path / f"test_m{abs(hash(extra))}.py"
-        path.write_text(in_process + extra + "\n")
-        assert ray_unit(str(path)) == "ray", extra
-    plain = tmp_path / "test_plain.py"
-    plain.write_text(in_process)
-    assert ray_unit(str(plain)) == "ray-in-process"
+def test_each_marker_makes_a_module_touch_ray_and_a_docstring_naming_a_job_does_not(tmp_path):
+    assert not touches_ray(str(TESTS / "test_collate.py"))
+    for k, extra in enumerate(("def test_x(ray_cluster): pass", "import subprocess", "import ray",
+                               "args = ['python', 'jobs/train.py']", 'args = ["python", "jobs/train.py"]',
+                               "from ray_mmbatch.cli import main as m\nm([])  # cli.main", "run_training(cfg)",
+                               "tune_budgets(cfg)", "pytestmark = pytest.mark.slow")):
+        path = tmp_path / f"test_m{k}.py"
+        path.write_text(f'"""A module."""\n{extra}\n')
+        assert touches_ray(str(path)), extra
+    doc = tmp_path / "test_doc.py"
+    doc.write_text('"""jobs/train.py runs this; only the planner is checked here."""\n\n\ndef test_x():\n    pass\n')
+    assert not touches_ray(str(doc))
